@@ -1,0 +1,195 @@
+// Engine, ObjectLease and the in-memory copy helpers.
+#include <nanobind/nanobind.h>
+#include <nanobind/stl/shared_ptr.h>
+#include <nanobind/stl/string.h>
+#include <nanobind/stl/tuple.h>
+#include <nanobind/stl/unique_ptr.h>
+#include <nanobind/stl/vector.h>
+
+#include <cstring>
+
+#include "nebulite/copy_engine.h"
+#include "nebulite/engine.h"
+#include "status_binding.h"
+
+namespace nb = nanobind;
+
+namespace nebulite::python {
+namespace {
+
+using RecordArg = std::tuple<std::string, uintptr_t, uint64_t>;
+
+CopyEngine& LoadCopier() {
+  static CopyEngine* engine = new CopyEngine(0);  // lives for the process
+  return *engine;
+}
+
+const RecordRef& FindRef(const ObjectLease& lease, const std::string& name) {
+  for (const auto& r : lease.records())
+    if (r.name == name) return r;
+  ThrowIfError(Status::NotFound("record '" + name + "' is not in the object"));
+  __builtin_unreachable();
+}
+
+nb::dict VersionToDict(const VersionInfo& v) {
+  nb::dict d;
+  d["tag"] = v.tag;
+  d["version"] = v.version;
+  d["seq"] = v.seq;
+  d["in_memory"] = v.in_memory;
+  d["persist_requested"] = v.persist_requested;
+  d["persisted"] = v.persisted;
+  d["failed"] = v.failed;
+  d["names"] = v.names;
+  return d;
+}
+
+}  // namespace
+
+void RegisterEngine(nb::module_& m) {
+  m.def("default_memory_bytes", &DefaultMemoryBytes);
+
+  m.def(
+      "copy_bytes",
+      [](uintptr_t dst, uintptr_t src, uint64_t n) {
+        nb::gil_scoped_release release;
+        LoadCopier().Copy({{reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n}});
+      },
+      "Copies n bytes with every core (GIL released).");
+
+  nb::class_<ObjectLease>(m, "ObjectLease")
+      .def_prop_ro("address", [](const ObjectLease& l) { return reinterpret_cast<uintptr_t>(l.data()); })
+      .def("records",
+           [](const ObjectLease& l) {
+             std::vector<std::tuple<std::string, uint64_t, uint64_t>> out;
+             for (const auto& r : l.records()) out.emplace_back(r.name, r.offset, r.size);
+             return out;
+           })
+      .def("read",
+           [](const ObjectLease& l, const std::string& name) {
+             const RecordRef& r = FindRef(l, name);
+             return nb::bytes(reinterpret_cast<const char*>(l.data() + r.offset), r.size);
+           })
+      .def("copy_to", [](const ObjectLease& l, const std::string& name, uintptr_t dst) {
+        const RecordRef& r = FindRef(l, name);
+        nb::gil_scoped_release release;
+        LoadCopier().Copy({{reinterpret_cast<void*>(dst), l.data() + r.offset, r.size}});
+      });
+
+  nb::class_<Engine>(m, "Engine")
+      .def_static(
+          "open",
+          [](const std::string& persist_root, uint32_t rank, uint32_t world_size, uint64_t memory_bytes,
+             bool prefault, int copy_threads, int io_threads, bool direct_io, uint32_t retention,
+             double commit_timeout, double reserve_timeout, bool write_history) {
+            EngineOptions o;
+            o.persist_root = persist_root;
+            o.rank = rank;
+            o.world_size = world_size;
+            o.memory_bytes = memory_bytes;
+            o.prefault = prefault;
+            o.copy_threads = copy_threads;
+            o.io_threads = io_threads;
+            o.direct_io = direct_io;
+            o.retention = retention;
+            o.commit_timeout_seconds = commit_timeout;
+            o.reserve_timeout_seconds = reserve_timeout;
+            o.write_history = write_history;
+            Result<std::unique_ptr<Engine>> e = Status::Internal("unset");
+            {
+              nb::gil_scoped_release release;
+              e = Engine::Open(o);
+            }
+            return ValueOrThrow(std::move(e));
+          },
+          nb::arg("persist_root"), nb::arg("rank") = 0, nb::arg("world_size") = 1,
+          nb::arg("memory_bytes") = 0, nb::arg("prefault") = true, nb::arg("copy_threads") = 0,
+          nb::arg("io_threads") = 0, nb::arg("direct_io") = true, nb::arg("retention") = 0,
+          nb::arg("commit_timeout") = 600.0, nb::arg("reserve_timeout") = 600.0,
+          nb::arg("write_history") = true)
+      .def("stage",
+           [](Engine& e, const std::string& tag, const std::string& version, const std::string& name,
+              const std::vector<RecordArg>& records) {
+             std::vector<SourceRecord> src;
+             src.reserve(records.size());
+             for (const auto& [n, ptr, size] : records)
+               src.push_back({n, reinterpret_cast<const void*>(ptr), size});
+             Result<StageInfo> r = Status::Internal("unset");
+             {
+               nb::gil_scoped_release release;
+               r = e.Stage(tag, version, name, src);
+             }
+             StageInfo info = ValueOrThrow(std::move(r));
+             return std::make_tuple(info.bytes, info.blocking_seconds, info.streamed);
+           })
+      .def("must_persist", &Engine::MustPersist)
+      .def("commit",
+           [](Engine& e, const std::string& tag, const std::string& version, uint64_t seq, bool persist) {
+             ThrowIfError(e.Commit(tag, version, seq, persist));
+           })
+      .def("persist",
+           [](Engine& e, const std::string& tag, const std::string& version) {
+             ThrowIfError(e.Persist(tag, version));
+           })
+      .def("flush",
+           [](Engine& e, double timeout) {
+             Status st;
+             {
+               nb::gil_scoped_release release;
+               st = e.Flush(timeout);
+             }
+             ThrowIfError(st);
+           })
+      .def("abandon", &Engine::Abandon)
+      .def("versions",
+           [](Engine& e) {
+             nb::list out;
+             for (const auto& v : e.Versions()) out.append(VersionToDict(v));
+             return out;
+           })
+      .def("pin",
+           [](Engine& e, const std::string& tag, const std::string& version, const std::string& name) {
+             return ValueOrThrow(e.Pin(tag, version, name));
+           })
+      .def("take_errors",
+           [](Engine& e) {
+             std::vector<std::tuple<std::string, std::string>> out;
+             for (const auto& s : e.TakeErrors()) out.emplace_back(StatusCodeName(s.code()), s.message());
+             return out;
+           })
+      .def("history",
+           [](Engine& e) {
+             nb::list out;
+             for (const auto& r : e.History()) {
+               nb::dict d;
+               d["tag"] = r.tag;
+               d["version"] = r.version;
+               d["name"] = r.name;
+               d["rank"] = r.rank;
+               d["bytes"] = r.bytes;
+               d["blocking_seconds"] = r.blocking_seconds;
+               d["persist_seconds"] = r.persist_seconds;
+               d["tier"] = r.tier;
+               d["outcome"] = r.outcome;
+               out.append(d);
+             }
+             return out;
+           })
+      .def_prop_ro("memory_capacity", &Engine::memory_capacity)
+      .def_prop_ro("memory_used", &Engine::memory_used)
+      .def("wait_prefaulted",
+           [](Engine& e) {
+             nb::gil_scoped_release release;
+             e.WaitPrefaulted();
+           })
+      .def("close", [](Engine& e, double timeout) {
+        Status st;
+        {
+          nb::gil_scoped_release release;
+          st = e.Close(timeout);
+        }
+        ThrowIfError(st);
+      });
+}
+
+}  // namespace nebulite::python

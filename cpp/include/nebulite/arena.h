@@ -1,0 +1,73 @@
+// Arena: the tier-1 memory budget. One shared-memory mapping (a memfd, so another
+// process can map it later) allocated once, pre-faulted in the background, and
+// reused for every save: no allocation per save.
+//
+// Allocations are 4 KiB-aligned ranges handed out first-fit. Reserve() waits for
+// space (back-pressure) until the deadline; a request larger than the whole
+// capacity fails at once with ResourceExhausted, so that callers can stream instead.
+// Thread-safety: all methods are thread-safe. Release() wakes waiting Reserve() calls.
+#pragma once
+
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <thread>
+
+#include "nebulite/status.h"
+
+namespace nebulite {
+
+struct ArenaBlock {
+  uint64_t offset = 0;
+  uint64_t size = 0;  // rounded up to the alignment
+};
+
+class Arena {
+ public:
+  static constexpr uint64_t kAlignment = 4096;
+
+  // Maps `capacity` bytes (rounded up to 2 MiB). With `prefault`, a background
+  // thread touches every page once so that later copies never fault.
+  static Result<std::unique_ptr<Arena>> Create(uint64_t capacity, bool prefault);
+  ~Arena();
+  Arena(const Arena&) = delete;
+  Arena& operator=(const Arena&) = delete;
+
+  uint8_t* base() const { return base_; }
+  uint64_t capacity() const { return capacity_; }
+  int fd() const { return fd_; }
+
+  // Reserves `size` bytes. If they do not fit now, calls `make_room` (which may
+  // release blocks; it returns false when nothing more can be freed soon) and then
+  // waits until space is released or `timeout` passes (ResourceExhausted).
+  Result<ArenaBlock> Reserve(uint64_t size, std::chrono::milliseconds timeout,
+                             const std::function<bool()>& make_room = nullptr);
+  // Non-blocking: ResourceExhausted if it does not fit now.
+  Result<ArenaBlock> TryReserve(uint64_t size);
+  void Release(const ArenaBlock& block);
+
+  uint64_t used() const;
+  uint64_t largest_free() const;
+  // Waits until the background pre-fault has finished (tests, benchmarks).
+  void WaitPrefaulted();
+
+ private:
+  Arena(uint8_t* base, uint64_t capacity, int fd);
+  bool TryReserveLocked(uint64_t size, ArenaBlock* out);
+
+  uint8_t* base_;
+  uint64_t capacity_;
+  int fd_;
+  mutable std::mutex mu_;
+  std::condition_variable released_;
+  std::map<uint64_t, uint64_t> free_;  // offset -> size, coalesced; GUARDED_BY(mu_)
+  uint64_t used_ = 0;                  // GUARDED_BY(mu_)
+  std::thread prefault_thread_;
+  bool stop_prefault_ = false;
+};
+
+}  // namespace nebulite

@@ -1,0 +1,19 @@
+// CRC-32 (the zip / zlib polynomial, reflected 0xEDB88320), the checksum every
+// nebulite payload carries (see docs/format.md). Thread-safety: pure functions.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+namespace nebulite {
+
+// Extends `crc` (0 for a fresh checksum) over `n` bytes at `data`.
+uint32_t Crc32(uint32_t crc, const void* data, size_t n);
+
+// CRC of A||B given crc(A), crc(B) and len(B).
+uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
+
+// CRC of `n` bytes computed by `threads` threads (<= 1: the calling thread only).
+uint32_t Crc32Parallel(const void* data, size_t n, int threads);
+
+}  // namespace nebulite

@@ -1,0 +1,153 @@
+// Engine: the checkpoint engine of one rank. It owns the tier-1 arena, the copy
+// engine, the persister and (on rank 0) the commit coordinator. The same engine
+// runs embedded in a trainer process or hosted by a node agent.
+//
+// Lifecycle of a version (one save of a tag), as seen through this class:
+//   Stage() for each object        reserve -> copy into the arena -> sealed (returns)
+//   Commit(seq, persist)           complete on this rank; visible in MemoryVersions()
+//   [persist] background persister data files -> Sync -> manifest  ("persisted")
+//   [rank 0]  coordinator          all ranks' manifests -> COMMITTED marker ->
+//                                  retention of older committed versions
+//   eviction                       arena blocks released once the version is persisted,
+//                                  or superseded when it was never to be persisted
+// An object larger than the free arena, when a store is configured, streams through
+// the arena in chunks straight into its data file; its version must then be persisted.
+//
+// Errors of background work never abort: they are queued for TakeErrors() and
+// written to the history with outcome "failed".
+// Thread-safety: all public methods are thread-safe.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include "nebulite/commit.h"
+#include "nebulite/format.h"
+#include "nebulite/status.h"
+#include "nebulite/storage.h"
+
+namespace nebulite {
+
+struct EngineOptions {
+  std::string persist_root;    // "" = memory tier only
+  uint32_t rank = 0;
+  uint32_t world_size = 1;
+  uint64_t memory_bytes = 0;   // arena capacity; 0 = DefaultMemoryBytes()
+  bool prefault = true;        // touch the arena once in the background
+  int copy_threads = 0;        // 0 = every CPU
+  int io_threads = 0;          // 0 = 4
+  bool direct_io = true;
+  uint32_t retention = 0;      // committed versions kept (store and memory); 0 = all
+  double commit_timeout_seconds = 600;   // how long rank 0 waits for other ranks
+  double reserve_timeout_seconds = 600;  // how long a save waits for arena space
+  bool write_history = true;   // checkpointHistories.csv in the store
+};
+
+// 25% of physical memory, rounded to 2 MiB.
+uint64_t DefaultMemoryBytes();
+
+struct SourceRecord {
+  std::string name;  // record name in the archive, e.g. "data.pkl", "data/0"
+  const void* data;
+  uint64_t size;
+};
+
+struct StageInfo {
+  uint64_t bytes = 0;             // size of the data file
+  double blocking_seconds = 0;    // time spent in Stage()
+  bool streamed = false;          // written through to the store instead of kept in memory
+};
+
+struct RecordRef {
+  std::string name;
+  uint64_t offset = 0;  // of the payload within the image
+  uint64_t size = 0;
+};
+
+// A pinned, sealed object in the arena. The memory stays valid (and the version
+// is not evicted) while the lease lives.
+class ObjectLease {
+ public:
+  virtual ~ObjectLease() = default;
+  virtual const uint8_t* data() const = 0;
+  virtual const std::vector<RecordRef>& records() const = 0;
+};
+
+struct VersionInfo {
+  std::string tag;
+  std::string version;
+  uint64_t seq = 0;
+  bool in_memory = false;      // every object of this rank is loadable from the arena
+  bool persist_requested = false;
+  bool persisted = false;      // this rank's files and manifest are durable
+  bool failed = false;         // persisting failed (see TakeErrors)
+  std::vector<std::string> names;
+};
+
+struct HistoryRow {
+  std::string tag, version, name;
+  uint32_t rank = 0;
+  uint64_t bytes = 0;
+  double blocking_seconds = 0, persist_seconds = 0;
+  std::string tier, outcome;
+};
+
+class Engine {
+ public:
+  static Result<std::unique_ptr<Engine>> Open(const EngineOptions& options);
+  virtual ~Engine() = default;
+
+  // Copies the records into tier 1 as the data file of (tag, version, name, rank).
+  // Returns once the bytes are sealed in memory (or, streamed, durable in the store).
+  virtual Result<StageInfo> Stage(const std::string& tag, const std::string& version,
+                                  const std::string& name,
+                                  const std::vector<SourceRecord>& records) = 0;
+  // True if some object of the version had to be streamed (it must be persisted).
+  virtual bool MustPersist(const std::string& tag, const std::string& version) = 0;
+  // Completes the version on this rank. `persist` queues it for the store.
+  virtual Status Commit(const std::string& tag, const std::string& version, uint64_t seq,
+                        bool persist) = 0;
+  // Queues a committed, memory-only version for the store.
+  virtual Status Persist(const std::string& tag, const std::string& version) = 0;
+  // Waits until everything queued is persisted and committed in the store.
+  virtual Status Flush(double timeout_seconds) = 0;
+  // Drops an uncommitted version (its arena space is released).
+  virtual void Abandon(const std::string& tag, const std::string& version) = 0;
+
+  // Committed versions of this rank still known to the engine, ordered by seq.
+  virtual std::vector<VersionInfo> Versions() = 0;
+  virtual Result<std::shared_ptr<ObjectLease>> Pin(const std::string& tag,
+                                                    const std::string& version,
+                                                    const std::string& name) = 0;
+
+  virtual std::vector<Status> TakeErrors() = 0;
+  virtual std::vector<HistoryRow> History() = 0;  // rows so far (also in the CSV)
+  virtual Storage* storage() = 0;                 // nullptr without a store
+  virtual uint64_t memory_capacity() const = 0;
+  virtual uint64_t memory_used() const = 0;
+  virtual void WaitPrefaulted() = 0;
+  // Stops background threads after finishing queued work (bounded by timeout).
+  virtual Status Close(double timeout_seconds) = 0;
+};
+
+// Reading a data file from a store: validated directory, CRC-checked payloads.
+class StoredArchive {
+ public:
+  static Result<std::unique_ptr<StoredArchive>> Open(Storage* storage, const std::string& path);
+  const format::ArchiveIndex& index() const { return index_; }
+  const std::string& path() const { return path_; }
+  // Reads a record's payload into dst (size bytes), with `threads` parallel reads,
+  // and checks its CRC-32: Corruption naming the file otherwise.
+  Status ReadInto(const format::RecordEntry& entry, void* dst, int threads) const;
+
+ private:
+  StoredArchive(Storage* s, std::string path, format::ArchiveIndex index)
+      : storage_(s), path_(std::move(path)), index_(std::move(index)) {}
+  Storage* storage_;
+  std::string path_;
+  format::ArchiveIndex index_;
+};
+
+}  // namespace nebulite

@@ -1,0 +1,170 @@
+#include "nebulite/arena.h"
+
+#include <sys/mman.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+
+namespace nebulite {
+namespace {
+constexpr uint64_t kMapGranule = 2ull << 20;
+constexpr uint64_t kPrefaultStep = 64ull << 20;
+uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
+}  // namespace
+
+Result<std::unique_ptr<Arena>> Arena::Create(uint64_t capacity, bool prefault) {
+  if (capacity == 0) return Status::InvalidArgument("arena capacity must be positive");
+  if (capacity > (1ull << 46)) return Status::InvalidArgument("arena capacity is implausibly large");
+  capacity = RoundUp(capacity, kMapGranule);
+  int fd = memfd_create("nebulite-arena", MFD_CLOEXEC);
+  if (fd < 0) return Status::FromErrno(errno, "memfd_create");
+  if (ftruncate(fd, static_cast<off_t>(capacity)) != 0) {
+    int err = errno;
+    close(fd);
+    return Status::FromErrno(err, "sizing the arena");
+  }
+  void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    int err = errno;
+    close(fd);
+    return Status::FromErrno(err, "mapping the arena");
+  }
+  madvise(p, capacity, MADV_HUGEPAGE);  // best effort
+  std::unique_ptr<Arena> arena(new Arena(static_cast<uint8_t*>(p), capacity, fd));
+  if (prefault) {
+    Arena* a = arena.get();
+    a->prefault_thread_ = std::thread([a] {
+      for (uint64_t off = 0; off < a->capacity_; off += kPrefaultStep) {
+        {
+          std::lock_guard<std::mutex> lock(a->mu_);
+          if (a->stop_prefault_) return;
+        }
+        uint64_t n = std::min(kPrefaultStep, a->capacity_ - off);
+#ifdef MADV_POPULATE_WRITE
+        if (madvise(a->base_ + off, n, MADV_POPULATE_WRITE) == 0) continue;
+#endif
+        // Fallback: touch one byte per page. The arena is zero-filled on creation and
+        // pages handed out are overwritten by their owner, so writing 0 is harmless
+        // only for pages nobody owns yet; a volatile read-modify-write of the same
+        // value is safe for every page.
+        for (uint64_t i = 0; i < n; i += 4096) {
+          volatile uint8_t* b = a->base_ + off + i;
+          __atomic_fetch_add(const_cast<uint8_t*>(b), 0, __ATOMIC_RELAXED);
+        }
+      }
+    });
+  }
+  return arena;
+}
+
+Arena::Arena(uint8_t* base, uint64_t capacity, int fd) : base_(base), capacity_(capacity), fd_(fd) {
+  free_[0] = capacity;
+}
+
+Arena::~Arena() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    stop_prefault_ = true;
+  }
+  if (prefault_thread_.joinable()) prefault_thread_.join();
+  munmap(base_, capacity_);
+  close(fd_);
+}
+
+void Arena::WaitPrefaulted() {
+  if (prefault_thread_.joinable()) prefault_thread_.join();
+}
+
+bool Arena::TryReserveLocked(uint64_t size, ArenaBlock* out) {
+  for (auto it = free_.begin(); it != free_.end(); ++it) {
+    if (it->second < size) continue;
+    out->offset = it->first;
+    out->size = size;
+    uint64_t rest = it->second - size;
+    uint64_t next = it->first + size;
+    free_.erase(it);
+    if (rest > 0) free_[next] = rest;
+    used_ += size;
+    return true;
+  }
+  return false;
+}
+
+Result<ArenaBlock> Arena::TryReserve(uint64_t size) {
+  size = RoundUp(std::max<uint64_t>(size, 1), kAlignment);
+  if (size > capacity_) {
+    return Status::ResourceExhausted("request of " + std::to_string(size) +
+                                     " bytes exceeds the memory budget of " +
+                                     std::to_string(capacity_) + " bytes");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  ArenaBlock b;
+  if (TryReserveLocked(size, &b)) return b;
+  return Status::ResourceExhausted("the memory budget is full");
+}
+
+Result<ArenaBlock> Arena::Reserve(uint64_t size, std::chrono::milliseconds timeout,
+                                  const std::function<bool()>& make_room) {
+  size = RoundUp(std::max<uint64_t>(size, 1), kAlignment);
+  if (size > capacity_) {
+    return Status::ResourceExhausted("request of " + std::to_string(size) +
+                                     " bytes exceeds the memory budget of " +
+                                     std::to_string(capacity_) + " bytes");
+  }
+  auto deadline = std::chrono::steady_clock::now() + timeout;
+  std::unique_lock<std::mutex> lock(mu_);
+  ArenaBlock b;
+  while (true) {
+    if (TryReserveLocked(size, &b)) return b;
+    if (make_room) {
+      lock.unlock();
+      make_room();
+      lock.lock();
+      if (TryReserveLocked(size, &b)) return b;
+    }
+    auto now = std::chrono::steady_clock::now();
+    if (now >= deadline) break;
+    // Wait for a Release(); wake periodically to retry make_room.
+    released_.wait_until(lock, std::min(deadline, now + std::chrono::milliseconds(20)));
+  }
+  return Status::ResourceExhausted("timed out waiting for " + std::to_string(size) +
+                                   " bytes of the memory budget (" + std::to_string(used_) +
+                                   " of " + std::to_string(capacity_) + " in use)");
+}
+
+void Arena::Release(const ArenaBlock& block) {
+  if (block.size == 0) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t off = block.offset, size = block.size;
+  auto next = free_.lower_bound(off);
+  if (next != free_.end() && off + size == next->first) {
+    size += next->second;
+    next = free_.erase(next);
+  }
+  if (next != free_.begin()) {
+    auto prev = std::prev(next);
+    if (prev->first + prev->second == off) {
+      off = prev->first;
+      size += prev->second;
+      free_.erase(prev);
+    }
+  }
+  free_[off] = size;
+  used_ -= block.size;
+  released_.notify_all();
+}
+
+uint64_t Arena::used() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return used_;
+}
+
+uint64_t Arena::largest_free() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  uint64_t m = 0;
+  for (auto& [o, s] : free_) m = std::max(m, s);
+  return m;
+}
+
+}  // namespace nebulite

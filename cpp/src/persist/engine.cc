@@ -1,0 +1,728 @@
+// The embedded engine: arena + copy engine + persister + commit coordinator.
+// See nebulite/engine.h for the lifecycle and the thread-safety contract.
+//
+// Persisting one object (a file image laid out in the arena exactly as on disk):
+//  1. the image is cut into 4 KiB-aligned chunks; io threads compute each chunk's
+//     payload CRCs and write it (O_DIRECT where aligned) in parallel;
+//  2. the per-record CRCs are combined, the local headers patched in the arena and
+//     the 4 KiB blocks holding them written again;
+//  3. the central directory (the tail) is written and the file fdatasync'd.
+// Then the rank's manifest is written (temp, fsync, rename, fsync dir) and, once all
+// ranks' manifests exist, rank 0 writes the commit marker and applies retention.
+#include <sys/sysinfo.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <chrono>
+#include <condition_variable>
+#include <cstring>
+#include <deque>
+#include <list>
+#include <map>
+#include <mutex>
+#include <thread>
+
+#include "nebulite/arena.h"
+#include "nebulite/commit.h"
+#include "nebulite/copy_engine.h"
+#include "nebulite/crc32.h"
+#include "nebulite/engine.h"
+#include "persist/history.h"
+
+namespace nebulite {
+namespace {
+
+using Clock = std::chrono::steady_clock;
+constexpr uint64_t kChunk = 16ull << 20;
+constexpr uint64_t kBlock = 4096;
+
+double Seconds(Clock::time_point a, Clock::time_point b) {
+  return std::chrono::duration<double>(b - a).count();
+}
+uint64_t AlignDown(uint64_t v) { return v / kBlock * kBlock; }
+
+struct ObjectState {
+  std::string name;
+  format::ArchiveLayout layout;
+  std::vector<RecordRef> refs;
+  ArenaBlock block;
+  bool in_memory = false;
+  bool streamed = false;       // already durable in the store
+  uint64_t bytes = 0;
+  double blocking_seconds = 0;
+  ManifestFile file;           // filled once the data file is durable
+};
+
+struct VersionState {
+  std::string tag, version;
+  std::vector<std::unique_ptr<ObjectState>> objects;
+  bool committed = false;
+  uint64_t seq = 0;
+  bool must_persist = false;
+  bool persist_requested = false;
+  bool persisted = false;   // this rank's manifest is durable
+  bool store_committed = false;  // the commit marker is known to exist
+  bool failed = false;
+  bool evicted = false;
+  int pins = 0;
+
+  ObjectState* Find(const std::string& name) {
+    for (auto& o : objects)
+      if (o->name == name) return o.get();
+    return nullptr;
+  }
+};
+
+class EngineImpl;
+
+class LeaseImpl : public ObjectLease {
+ public:
+  LeaseImpl(EngineImpl* e, std::shared_ptr<VersionState> v, const uint8_t* data,
+            const std::vector<RecordRef>* refs)
+      : engine_(e), version_(std::move(v)), data_(data), refs_(refs) {}
+  ~LeaseImpl() override;
+  const uint8_t* data() const override { return data_; }
+  const std::vector<RecordRef>& records() const override { return *refs_; }
+
+ private:
+  EngineImpl* engine_;
+  std::shared_ptr<VersionState> version_;
+  const uint8_t* data_;
+  const std::vector<RecordRef>* refs_;
+};
+
+class EngineImpl : public Engine {
+ public:
+  EngineImpl(EngineOptions o, std::unique_ptr<Arena> arena, std::unique_ptr<Storage> storage)
+      : opts_(std::move(o)),
+        arena_(std::move(arena)),
+        storage_(std::move(storage)),
+        copy_(opts_.copy_threads),
+        io_(opts_.io_threads > 0 ? opts_.io_threads : 4),
+        history_(storage_ && opts_.write_history ? opts_.persist_root : std::string()) {
+    if (storage_) persister_ = std::thread([this] { PersisterLoop(); });
+    if (storage_ && opts_.rank == 0 && opts_.world_size > 1)
+      coordinator_ = std::thread([this] { CoordinatorLoop(); });
+  }
+
+  ~EngineImpl() override { (void)Close(60); }
+
+  Result<StageInfo> Stage(const std::string& tag, const std::string& version,
+                          const std::string& name,
+                          const std::vector<SourceRecord>& records) override {
+    auto t0 = Clock::now();
+    NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(tag, "tag"));
+    NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(version, "version"));
+    NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(name, "name"));
+    std::vector<format::RecordSpec> specs;
+    specs.reserve(records.size());
+    for (const auto& r : records) {
+      if (r.size > 0 && r.data == nullptr) return Status::InvalidArgument("record " + r.name + " has no data");
+      specs.push_back({r.name, r.size});
+    }
+    NEBULITE_ASSIGN_OR_RETURN(auto layout, format::ArchiveLayout::Plan(specs));
+
+    std::shared_ptr<VersionState> v;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return Status::FailedPrecondition("the engine is closed");
+      v = GetOrCreateLocked(tag, version);
+      if (v->committed) {
+        return Status::FailedPrecondition("version " + version + " of tag '" + tag +
+                                          "' is already committed");
+      }
+      if (v->Find(name) != nullptr) {
+        return Status::AlreadyExists("'" + name + "' was already saved in checkpoint '" + tag + "'");
+      }
+    }
+    auto obj = std::make_unique<ObjectState>();
+    obj->name = name;
+    obj->bytes = layout.file_size();
+    for (const auto& p : layout.records()) obj->refs.push_back({p.name, p.data_offset, p.size});
+    obj->layout = std::move(layout);
+
+    auto block = ReserveForImage(obj->layout.file_size());
+    if (block.ok()) {
+      obj->block = *block;
+      obj->in_memory = true;
+      FillImage(obj.get(), records);
+    } else if (block.status().code() == StatusCode::kResourceExhausted && storage_) {
+      NEBULITE_RETURN_IF_ERROR(StreamObject(tag, version, obj.get(), records));
+    } else {
+      return block.status().WithContext(
+          storage_ ? "staging '" + name + "'"
+                   : "staging '" + name + "' (no persistent path is set, so a state must fit "
+                                          "in the memory budget NEBULA_MEMORY_BUFFER_SIZE)");
+    }
+    obj->blocking_seconds = Seconds(t0, Clock::now());
+    StageInfo info{obj->bytes, obj->blocking_seconds, obj->streamed};
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (obj->streamed) v->must_persist = true;
+      v->objects.push_back(std::move(obj));
+    }
+    return info;
+  }
+
+  bool MustPersist(const std::string& tag, const std::string& version) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto v = FindLocked(tag, version);
+    return v && v->must_persist;
+  }
+
+  Status Commit(const std::string& tag, const std::string& version, uint64_t seq,
+                bool persist) override {
+    std::unique_lock<std::mutex> lock(mu_);
+    auto v = FindLocked(tag, version);
+    if (!v) v = GetOrCreateLocked(tag, version);  // a rank that saved nothing still commits
+    if (v->committed) return Status::OK();
+    if (v->must_persist && !persist) {
+      return Status::FailedPrecondition("checkpoint '" + tag +
+                                        "' streamed to storage and must be persisted");
+    }
+    if (persist && !storage_) return Status::FailedPrecondition("no persistent path is set");
+    v->committed = true;
+    v->seq = seq;
+    if (persist) Enqueue(v);
+    if (!persist) {
+      for (auto& o : v->objects)
+        history_.Append({tag, version, o->name, opts_.rank, o->bytes, o->blocking_seconds, 0,
+                         "memory", "in_memory"});
+    }
+    ApplyMemoryRetentionLocked();
+    return Status::OK();
+  }
+
+  Status Persist(const std::string& tag, const std::string& version) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto v = FindLocked(tag, version);
+    if (!v || !v->committed) return Status::NotFound("no committed version " + version + " of '" + tag + "' in memory");
+    if (!storage_) return Status::FailedPrecondition("no persistent path is set");
+    if (v->persist_requested && !v->failed) return Status::OK();
+    for (auto& o : v->objects)
+      if (!o->in_memory && !o->streamed)
+        return Status::NotFound("checkpoint '" + tag + "' was evicted from memory before it was persisted");
+    v->failed = false;
+    Enqueue(v);
+    return Status::OK();
+  }
+
+  Status Flush(double timeout_seconds) override {
+    auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(timeout_seconds));
+    std::unique_lock<std::mutex> lock(mu_);
+    const uint64_t failures_before = failures_;
+    while (true) {
+      bool pending = !queue_.empty() || busy_;
+      std::vector<std::shared_ptr<VersionState>> awaiting;
+      for (auto& v : versions_) {
+        if (!v->persist_requested || v->failed || v->store_committed) continue;
+        if (!v->persisted) pending = true;
+        else awaiting.push_back(v);
+      }
+      if (!pending && opts_.rank != 0) {
+        // Other ranks learn of commits by seeing the marker.
+        lock.unlock();
+        for (auto& v : awaiting) {
+          auto e = storage_->Exists(CommitMarkerPath(v->tag, v->version));
+          if (e.ok() && *e) {
+            std::lock_guard<std::mutex> l2(mu_);
+            v->store_committed = true;
+          }
+        }
+        lock.lock();
+        awaiting.erase(std::remove_if(awaiting.begin(), awaiting.end(),
+                                      [](auto& v) { return v->store_committed || v->failed; }),
+                       awaiting.end());
+      }
+      if (!pending && awaiting.empty()) break;
+      if (Clock::now() >= deadline)
+        return Status::Cancelled("flush timed out with checkpoints still being persisted");
+      cv_.wait_for(lock, std::chrono::milliseconds(10));
+    }
+    if (failures_ > failures_before)
+      return Status::IOError("persisting a checkpoint failed during the flush (see the errors reported)");
+    return Status::OK();
+  }
+
+  void Abandon(const std::string& tag, const std::string& version) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto v = FindLocked(tag, version);
+    if (!v || v->committed) return;
+    for (auto& o : v->objects) ReleaseObjectLocked(o.get());
+    versions_.remove(v);
+  }
+
+  std::vector<VersionInfo> Versions() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<VersionInfo> out;
+    for (auto& v : versions_) {
+      if (!v->committed) continue;
+      VersionInfo i;
+      i.tag = v->tag;
+      i.version = v->version;
+      i.seq = v->seq;
+      i.in_memory = !v->evicted;
+      for (auto& o : v->objects) {
+        if (!o->in_memory) i.in_memory = false;
+        i.names.push_back(o->name);
+      }
+      i.persist_requested = v->persist_requested;
+      i.persisted = v->persisted;
+      i.failed = v->failed;
+      out.push_back(std::move(i));
+    }
+    std::sort(out.begin(), out.end(), [](auto& a, auto& b) { return a.seq < b.seq; });
+    return out;
+  }
+
+  Result<std::shared_ptr<ObjectLease>> Pin(const std::string& tag, const std::string& version,
+                                           const std::string& name) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto v = FindLocked(tag, version);
+    if (!v) return Status::NotFound("version " + version + " of '" + tag + "' is not in memory");
+    ObjectState* o = v->Find(name);
+    if (!o) return Status::NotFound("'" + name + "' is not in checkpoint '" + tag + "'");
+    if (!o->in_memory) return Status::NotFound("'" + name + "' of '" + tag + "' is not in memory");
+    ++v->pins;
+    return std::shared_ptr<ObjectLease>(
+        new LeaseImpl(this, v, arena_->base() + o->block.offset, &o->refs));
+  }
+
+  void Unpin(VersionState* v) {
+    std::lock_guard<std::mutex> lock(mu_);
+    --v->pins;
+    ApplyMemoryRetentionLocked();
+  }
+
+  std::vector<Status> TakeErrors() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<Status> out;
+    out.swap(errors_);
+    return out;
+  }
+  std::vector<HistoryRow> History() override { return history_.Rows(); }
+  Storage* storage() override { return storage_.get(); }
+  uint64_t memory_capacity() const override { return arena_->capacity(); }
+  uint64_t memory_used() const override { return arena_->used(); }
+  void WaitPrefaulted() override { arena_->WaitPrefaulted(); }
+
+  Status Close(double timeout_seconds) override {
+    Status st;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (closed_) return Status::OK();
+    }
+    if (storage_) st = Flush(timeout_seconds);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closed_ = true;
+    }
+    cv_.notify_all();
+    if (persister_.joinable()) persister_.join();
+    if (coordinator_.joinable()) coordinator_.join();
+    return st;
+  }
+
+ private:
+  std::shared_ptr<VersionState> FindLocked(const std::string& tag, const std::string& version) {
+    for (auto& v : versions_)
+      if (v->tag == tag && v->version == version) return v;
+    return nullptr;
+  }
+  std::shared_ptr<VersionState> GetOrCreateLocked(const std::string& tag, const std::string& version) {
+    auto v = FindLocked(tag, version);
+    if (v) return v;
+    v = std::make_shared<VersionState>();
+    v->tag = tag;
+    v->version = version;
+    versions_.push_back(v);
+    return v;
+  }
+
+  void Enqueue(const std::shared_ptr<VersionState>& v) {
+    v->persist_requested = true;
+    queue_.push_back(v);
+    cv_.notify_all();
+  }
+
+  void ReleaseObjectLocked(ObjectState* o) {
+    if (o->in_memory) {
+      arena_->Release(o->block);
+      o->in_memory = false;
+      o->block = {};
+    }
+  }
+
+  // A version may leave memory when nobody reads it and it is either durable or
+  // never going to be persisted; the newest committed version stays unless durable.
+  bool EvictableLocked(const VersionState& v, const VersionState* newest) {
+    if (!v.committed || v.evicted || v.pins > 0) return false;
+    if (v.persist_requested && !v.persisted && !v.failed) return false;
+    if (&v == newest && !v.persisted) return false;
+    return true;
+  }
+  const VersionState* NewestCommittedLocked() {
+    const VersionState* n = nullptr;
+    for (auto& v : versions_)
+      if (v->committed && (!n || v->seq > n->seq)) n = v.get();
+    return n;
+  }
+  bool EvictOldestLocked() {
+    const VersionState* newest = NewestCommittedLocked();
+    std::shared_ptr<VersionState> victim;
+    for (auto& v : versions_)
+      if (EvictableLocked(*v, newest) && (!victim || v->seq < victim->seq)) victim = v;
+    if (!victim) return false;
+    EvictLocked(victim);
+    return true;
+  }
+  void EvictLocked(const std::shared_ptr<VersionState>& v) {
+    for (auto& o : v->objects) ReleaseObjectLocked(o.get());
+    v->evicted = true;
+    if (!v->persist_requested || v->store_committed || v->failed) versions_.remove(v);
+  }
+  // Forgets versions that left memory and need nothing more from this engine.
+  void CollectLocked() {
+    versions_.remove_if([](const std::shared_ptr<VersionState>& v) {
+      return v->evicted && v->pins == 0 &&
+             (!v->persist_requested || v->store_committed || v->failed);
+    });
+  }
+  void ApplyMemoryRetentionLocked() {
+    CollectLocked();
+    if (opts_.retention == 0) return;
+    while (true) {
+      size_t held = 0;
+      for (auto& v : versions_)
+        if (v->committed && !v->evicted) ++held;
+      if (held <= opts_.retention || !EvictOldestLocked()) return;
+    }
+  }
+
+  Result<ArenaBlock> ReserveForImage(uint64_t size) {
+    if (size > arena_->capacity()) {
+      return Status::ResourceExhausted("a data file of " + std::to_string(size) +
+                                       " bytes exceeds the memory budget of " +
+                                       std::to_string(arena_->capacity()) + " bytes");
+    }
+    auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                                       std::chrono::duration<double>(opts_.reserve_timeout_seconds));
+    while (true) {
+      auto b = arena_->TryReserve(size);
+      if (b.ok()) return b;
+      bool wait;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (EvictOldestLocked()) continue;
+        // Space will come back when the persister finishes or a reader unpins.
+        wait = !queue_.empty() || busy_;
+        for (auto& v : versions_)
+          if (v->pins > 0 || (v->persist_requested && !v->persisted && !v->failed)) wait = true;
+      }
+      if (!wait || Clock::now() >= deadline) {
+        return Status::ResourceExhausted("the memory budget of " + std::to_string(arena_->capacity()) +
+                                         " bytes cannot hold " + std::to_string(size) +
+                                         " more bytes (" + std::to_string(arena_->used()) + " in use)");
+      }
+      auto w = arena_->Reserve(size, std::chrono::milliseconds(20));
+      if (w.ok()) return w;
+    }
+  }
+
+  // Lays the image out in the arena: local headers (CRC 0 until persisted) and payloads.
+  void FillImage(ObjectState* o, const std::vector<SourceRecord>& records) {
+    uint8_t* image = arena_->base() + o->block.offset;
+    const auto& place = o->layout.records();
+    std::vector<CopySpan> spans;
+    spans.reserve(records.size());
+    for (size_t i = 0; i < place.size(); ++i) {
+      std::string h = o->layout.LocalHeader(i, 0);
+      std::memcpy(image + place[i].header_offset, h.data(), h.size());
+      if (place[i].size) spans.push_back({image + place[i].data_offset, records[i].data, place[i].size});
+    }
+    copy_.Copy(spans);
+  }
+
+  // Writes an image that does not fit in memory through a bounded window of the arena.
+  Status StreamObject(const std::string& tag, const std::string& version, ObjectState* o,
+                      const std::vector<SourceRecord>& records) {
+    const auto& place = o->layout.records();
+    uint64_t window = std::min<uint64_t>(64ull << 20, AlignDown(arena_->capacity() / 2));
+    window = std::max<uint64_t>(window, kBlock);
+    NEBULITE_ASSIGN_OR_RETURN(ArenaBlock block, ReserveForImage(window));
+    struct Releaser {
+      Arena* a; ArenaBlock b;
+      ~Releaser() { a->Release(b); }
+    } releaser{arena_.get(), block};
+    uint8_t* buf = arena_->base() + block.offset;
+    std::string path = DataFilePath(tag, version, opts_.rank, o->name);
+    NEBULITE_ASSIGN_OR_RETURN(auto file, storage_->NewWritableFile(path, o->layout.file_size()));
+    std::vector<std::string> headers;
+    for (size_t i = 0; i < place.size(); ++i) headers.push_back(o->layout.LocalHeader(i, 0));
+    std::vector<uint32_t> crcs(place.size(), 0);
+    uint64_t end = o->layout.tail_offset();
+    size_t first = 0;  // first record that may overlap the window
+    for (uint64_t w0 = 0; w0 < end; w0 += window) {
+      uint64_t w1 = std::min(end, w0 + window);
+      std::vector<CopySpan> spans;
+      while (first < place.size() && place[first].data_offset + place[first].size <= w0) ++first;
+      for (size_t i = first; i < place.size() && place[i].header_offset < w1; ++i) {
+        // header bytes in the window
+        uint64_t h0 = std::max(w0, place[i].header_offset), h1 = std::min(w1, place[i].data_offset);
+        if (h0 < h1) std::memcpy(buf + (h0 - w0), headers[i].data() + (h0 - place[i].header_offset), h1 - h0);
+        uint64_t p0 = std::max(w0, place[i].data_offset), p1 = std::min(w1, place[i].data_offset + place[i].size);
+        if (p0 < p1)
+          spans.push_back({buf + (p0 - w0),
+                           static_cast<const uint8_t*>(records[i].data) + (p0 - place[i].data_offset),
+                           p1 - p0});
+      }
+      copy_.Copy(spans);
+      for (size_t i = first; i < place.size() && place[i].header_offset < w1; ++i) {
+        uint64_t p0 = std::max(w0, place[i].data_offset), p1 = std::min(w1, place[i].data_offset + place[i].size);
+        if (p0 < p1) crcs[i] = Crc32(crcs[i], buf + (p0 - w0), p1 - p0);
+      }
+      NEBULITE_RETURN_IF_ERROR(file->WriteAt(w0, buf, w1 - w0));
+    }
+    for (size_t i = 0; i < place.size(); ++i) {
+      std::string h = o->layout.LocalHeader(i, crcs[i]);
+      NEBULITE_RETURN_IF_ERROR(file->WriteAt(place[i].header_offset, h.data(), h.size()));
+    }
+    NEBULITE_ASSIGN_OR_RETURN(std::string tail, o->layout.Tail(crcs));
+    NEBULITE_RETURN_IF_ERROR(file->WriteAt(o->layout.tail_offset(), tail.data(), tail.size()));
+    NEBULITE_RETURN_IF_ERROR(file->Sync());
+    NEBULITE_RETURN_IF_ERROR(file->Close());
+    o->streamed = true;
+    o->file = {o->name, o->layout.file_size(), FileCrc(o->layout, crcs, tail)};
+    return Status::OK();
+  }
+
+  static uint32_t FileCrc(const format::ArchiveLayout& layout, const std::vector<uint32_t>& crcs,
+                          const std::string& tail) {
+    uint32_t c = 0;
+    const auto& place = layout.records();
+    for (size_t i = 0; i < place.size(); ++i) {
+      std::string h = layout.LocalHeader(i, crcs[i]);
+      c = Crc32(c, h.data(), h.size());
+      c = Crc32Combine(c, crcs[i], place[i].size);
+    }
+    return Crc32(c, tail.data(), tail.size());
+  }
+
+  Status PersistObject(const VersionState& v, ObjectState* o, double* seconds) {
+    auto t0 = Clock::now();
+    uint8_t* image = arena_->base() + o->block.offset;
+    const auto& place = o->layout.records();
+    std::string path = DataFilePath(v.tag, v.version, opts_.rank, o->name);
+    NEBULITE_ASSIGN_OR_RETURN(auto file, storage_->NewWritableFile(path, o->layout.file_size()));
+    uint64_t end = o->layout.tail_offset();
+    size_t nchunks = (end + kChunk - 1) / kChunk;
+    // Per chunk, the CRC of each record's bytes inside it.
+    struct Piece { size_t record; uint64_t len; uint32_t crc; };
+    std::vector<std::vector<Piece>> pieces(nchunks);
+    std::vector<Status> chunk_status(nchunks);
+    io_.ParallelFor(nchunks, [&](size_t c) {
+      uint64_t c0 = c * kChunk, c1 = std::min(end, c0 + kChunk);
+      auto it = std::upper_bound(place.begin(), place.end(), c0,
+                                 [](uint64_t off, const format::RecordPlacement& p) { return off < p.data_offset + p.size; });
+      for (size_t i = it - place.begin(); i < place.size() && place[i].data_offset < c1; ++i) {
+        uint64_t p0 = std::max(c0, place[i].data_offset), p1 = std::min(c1, place[i].data_offset + place[i].size);
+        if (p0 < p1) pieces[c].push_back({i, p1 - p0, Crc32(0, image + p0, p1 - p0)});
+      }
+      chunk_status[c] = file->WriteAt(c0, image + c0, c1 - c0);
+    });
+    for (auto& s : chunk_status) NEBULITE_RETURN_IF_ERROR(s);
+    std::vector<uint32_t> crcs(place.size(), 0);
+    for (auto& chunk : pieces)
+      for (auto& p : chunk) crcs[p.record] = Crc32Combine(crcs[p.record], p.crc, p.len);
+    // Patch the headers and rewrite the blocks that hold them.
+    uint64_t last_written_end = 0;
+    for (size_t i = 0; i < place.size(); ++i) {
+      std::string h = o->layout.LocalHeader(i, crcs[i]);
+      std::memcpy(image + place[i].header_offset, h.data(), h.size());
+      uint64_t b0 = std::max(AlignDown(place[i].header_offset), last_written_end);
+      uint64_t b1 = place[i].data_offset;
+      if (b0 < b1) NEBULITE_RETURN_IF_ERROR(file->WriteAt(b0, image + b0, b1 - b0));
+      last_written_end = std::max(last_written_end, b1);
+    }
+    NEBULITE_ASSIGN_OR_RETURN(std::string tail, o->layout.Tail(crcs));
+    std::memcpy(image + o->layout.tail_offset(), tail.data(), tail.size());
+    NEBULITE_RETURN_IF_ERROR(file->WriteAt(o->layout.tail_offset(), tail.data(), tail.size()));
+    NEBULITE_RETURN_IF_ERROR(file->Sync());
+    NEBULITE_RETURN_IF_ERROR(file->Close());
+    o->file = {o->name, o->layout.file_size(), FileCrc(o->layout, crcs, tail)};
+    *seconds = Seconds(t0, Clock::now());
+    return Status::OK();
+  }
+
+  void ReportLocked(Status st) {
+    ++failures_;
+    errors_.push_back(std::move(st));
+  }
+
+  void PersisterLoop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // closed and drained
+      auto v = queue_.front();
+      queue_.pop_front();
+      busy_ = true;
+      ++v->pins;  // keep the memory while writing it
+      lock.unlock();
+      Status st = PersistVersion(v.get());
+      lock.lock();
+      --v->pins;
+      busy_ = false;
+      if (!st.ok()) {
+        v->failed = true;
+        ReportLocked(st.WithContext("persisting checkpoint '" + v->tag + "'"));
+        history_.Append({v->tag, v->version, "", opts_.rank, 0, 0, 0, "persistent", "failed: " + st.ToString()});
+      } else {
+        v->persisted = true;
+        if (opts_.world_size == 1) v->store_committed = true;
+        else if (opts_.rank == 0) coord_pending_.push_back({v, Clock::now()});
+      }
+      ApplyMemoryRetentionLocked();
+      cv_.notify_all();
+    }
+  }
+
+  Status PersistVersion(VersionState* v) {
+    Manifest m;
+    m.tag = v->tag;
+    m.version = v->version;
+    m.rank = opts_.rank;
+    m.world_size = opts_.world_size;
+    for (auto& o : v->objects) {
+      double secs = 0;
+      if (!o->streamed) {
+        if (!o->in_memory) return Status::NotFound("'" + o->name + "' left memory before it was persisted");
+        Status st = PersistObject(*v, o.get(), &secs);
+        if (!st.ok()) {
+          history_.Append({v->tag, v->version, o->name, opts_.rank, o->bytes, o->blocking_seconds, secs,
+                           "persistent", "failed: " + st.ToString()});
+          // Free the space the partial files hold; they were never visible.
+          (void)storage_->DeleteRecursively(VersionDir(v->tag, v->version) + "/rank" +
+                                            std::to_string(opts_.rank));
+          return st;
+        }
+      }
+      history_.Append({v->tag, v->version, o->name, opts_.rank, o->bytes, o->blocking_seconds, secs,
+                       "persistent", o->streamed ? "streamed" : "persisted"});
+      m.files.push_back(o->file);
+    }
+    NEBULITE_RETURN_IF_ERROR(WriteManifest(storage_.get(), m));
+    if (opts_.rank == 0 && opts_.world_size == 1) return CommitInStore(v);
+    return Status::OK();
+  }
+
+  Status CommitInStore(VersionState* v) {
+    auto t0 = Clock::now();
+    CommitRecord c;
+    c.tag = v->tag;
+    c.version = v->version;
+    c.seq = v->seq;
+    c.time_unix_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                         std::chrono::system_clock::now().time_since_epoch()).count();
+    c.world_size = opts_.world_size;
+    NEBULITE_RETURN_IF_ERROR(WriteCommitMarker(storage_.get(), c));
+    uint64_t total = 0;
+    for (auto& o : v->objects) total += o->bytes;
+    history_.Append({v->tag, v->version, "", opts_.rank, total, 0, Seconds(t0, Clock::now()),
+                     "persistent", "committed"});
+    if (opts_.retention > 0) {
+      auto removed = ApplyRetention(storage_.get(), opts_.retention);
+      if (!removed.ok()) return removed.status().WithContext("retention");
+      for (auto& [tag, version] : *removed)
+        history_.Append({tag, version, "", opts_.rank, 0, 0, 0, "persistent", "deleted_by_retention"});
+    }
+    return Status::OK();
+  }
+
+  void CoordinatorLoop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      cv_.wait_for(lock, std::chrono::milliseconds(10));
+      if (closed_ && coord_pending_.empty()) return;
+      auto pending = coord_pending_;
+      lock.unlock();
+      for (auto& [v, since] : pending) {
+        Status st;
+        bool done = false;
+        auto all = AllManifestsPresent(storage_.get(), v->tag, v->version, opts_.world_size);
+        if (!all.ok()) {
+          st = all.status();
+        } else if (*all) {
+          st = CommitInStore(v.get());
+          done = st.ok();
+        } else if (Seconds(since, Clock::now()) > opts_.commit_timeout_seconds) {
+          st = Status::Cancelled("not every rank persisted checkpoint '" + v->tag + "' within " +
+                                 std::to_string(opts_.commit_timeout_seconds) + " s");
+        }
+        std::lock_guard<std::mutex> l2(mu_);
+        if (done || !st.ok()) {
+          coord_pending_.erase(std::remove_if(coord_pending_.begin(), coord_pending_.end(),
+                                              [&](auto& p) { return p.first == v; }),
+                               coord_pending_.end());
+        }
+        if (done) v->store_committed = true;
+        if (!st.ok()) {
+          v->failed = true;
+          ReportLocked(st.WithContext("committing checkpoint '" + v->tag + "'"));
+        }
+        ApplyMemoryRetentionLocked();
+      }
+      lock.lock();
+      cv_.notify_all();
+      if (closed_ && coord_pending_.empty()) return;
+    }
+  }
+
+  friend class LeaseImpl;
+  EngineOptions opts_;
+  std::unique_ptr<Arena> arena_;
+  std::unique_ptr<Storage> storage_;
+  CopyEngine copy_;
+  CopyEngine io_;  // used as the io thread pool
+  HistoryLog history_;
+
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::list<std::shared_ptr<VersionState>> versions_;           // GUARDED_BY(mu_)
+  std::deque<std::shared_ptr<VersionState>> queue_;             // GUARDED_BY(mu_)
+  std::vector<std::pair<std::shared_ptr<VersionState>, Clock::time_point>> coord_pending_;
+  std::vector<Status> errors_;                                  // GUARDED_BY(mu_)
+  uint64_t failures_ = 0;  // GUARDED_BY(mu_)
+  bool busy_ = false;
+  bool closed_ = false;
+  std::thread persister_, coordinator_;
+};
+
+LeaseImpl::~LeaseImpl() { engine_->Unpin(version_.get()); }
+
+}  // namespace
+
+uint64_t DefaultMemoryBytes() {
+  struct sysinfo si{};
+  uint64_t total = 8ull << 30;
+  if (sysinfo(&si) == 0) total = static_cast<uint64_t>(si.totalram) * si.mem_unit;
+  uint64_t b = total / 4;
+  return std::max<uint64_t>(64ull << 20, b / (2ull << 20) * (2ull << 20));
+}
+
+Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
+  EngineOptions o = options;
+  if (o.world_size == 0 || o.rank >= o.world_size)
+    return Status::InvalidArgument("rank " + std::to_string(o.rank) + " is outside world size " +
+                                   std::to_string(o.world_size));
+  if (o.memory_bytes == 0) o.memory_bytes = DefaultMemoryBytes();
+  std::unique_ptr<Storage> storage;
+  if (!o.persist_root.empty()) {
+    NEBULITE_ASSIGN_OR_RETURN(storage, OpenPosixStorage(o.persist_root, o.direct_io));
+  }
+  NEBULITE_ASSIGN_OR_RETURN(auto arena, Arena::Create(o.memory_bytes, o.prefault));
+  return std::unique_ptr<Engine>(new EngineImpl(std::move(o), std::move(arena), std::move(storage)));
+}
+
+}  // namespace nebulite

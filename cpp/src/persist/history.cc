@@ -1,0 +1,79 @@
+#include "persist/history.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <chrono>
+#include <cstdio>
+#include <ctime>
+
+namespace nebulite {
+namespace {
+
+std::string CsvField(const std::string& s) {
+  bool quote = s.find_first_of(",\"\n\r") != std::string::npos;
+  if (!quote) return s;
+  std::string out = "\"";
+  for (char c : s) {
+    if (c == '"') out += '"';
+    out += c;
+  }
+  return out + "\"";
+}
+
+std::string NowUtc() {
+  auto now = std::chrono::system_clock::now();
+  std::time_t t = std::chrono::system_clock::to_time_t(now);
+  auto ms = std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
+  std::tm tm{};
+  gmtime_r(&t, &tm);
+  char buf[64];
+  std::snprintf(buf, sizeof(buf), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900,
+                tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>(ms));
+  return buf;
+}
+
+}  // namespace
+
+const char* HistoryLog::Header() {
+  return "time_utc,tag,version,name,rank,bytes,blocking_seconds,persist_seconds,throughput_mb_s,"
+         "tier,outcome\n";
+}
+
+std::string HistoryLog::FormatRow(const HistoryRow& r) {
+  double secs = r.persist_seconds > 0 ? r.persist_seconds : r.blocking_seconds;
+  double mbps = secs > 0 ? static_cast<double>(r.bytes) / secs / 1e6 : 0.0;
+  char nums[160];
+  std::snprintf(nums, sizeof(nums), "%u,%llu,%.6f,%.6f,%.1f", r.rank,
+                static_cast<unsigned long long>(r.bytes), r.blocking_seconds, r.persist_seconds,
+                mbps);
+  return NowUtc() + "," + CsvField(r.tag) + "," + CsvField(r.version) + "," + CsvField(r.name) +
+         "," + nums + "," + CsvField(r.tier) + "," + CsvField(r.outcome) + "\n";
+}
+
+void HistoryLog::Append(const HistoryRow& row) {
+  std::lock_guard<std::mutex> lock(mu_);
+  rows_.push_back(row);
+  if (root_.empty()) return;
+  std::string path = root_ + "/" + kHistoryFile;
+  // The first writer creates the file with its header; O_APPEND and a single
+  // write() per row keep rows of concurrent ranks whole.
+  int fd = open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+  if (fd >= 0) {
+    std::string h = Header();
+    (void)!write(fd, h.data(), h.size());
+  } else {
+    fd = open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
+    if (fd < 0) return;  // the history is best effort; the checkpoint is not affected
+  }
+  std::string line = FormatRow(row);
+  (void)!write(fd, line.data(), line.size());
+  close(fd);
+}
+
+std::vector<HistoryRow> HistoryLog::Rows() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return rows_;
+}
+
+}  // namespace nebulite

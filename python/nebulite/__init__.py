@@ -1,0 +1,70 @@
+"""nebulite: fast asynchronous checkpointing for PyTorch.
+
+A drop-in successor to Azure ML's Nebula: ``import nebulite as nm`` (or
+``import torch_nebula`` / ``import nebulaml``), then::
+
+    nm.init(persistent_storage_path="/mnt/ckpt/run1")
+    ckpt = nm.Checkpoint("global_step500", num_files=2)
+    ckpt.save("model", model.state_dict())       # returns once in memory
+    ckpt.save("optimizer", opt.state_dict())     # second file: committed
+    latest = nm.get_latest_checkpoint()
+    model.load_state_dict(latest.load("model"))
+"""
+
+from __future__ import annotations
+
+from .api import (
+    COMMIT_EXPLICITLY,
+    Checkpoint,
+    flush_persistence,
+    get_checkpoint,
+    get_latest_checkpoint,
+    get_latest_checkpoint_path,
+    history,
+    init,
+    list_checkpoints,
+    session_info,
+    shutdown,
+)
+from .errors import (
+    CorruptCheckpointError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    MemoryBudgetError,
+    NebuliteError,
+    NotFoundError,
+    NotInitializedError,
+    PersistError,
+    StorageError,
+    StorageFullError,
+    StoragePermissionError,
+    UnsupportedVersionError,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "COMMIT_EXPLICITLY",
+    "Checkpoint",
+    "CorruptCheckpointError",
+    "FailedPreconditionError",
+    "InvalidArgumentError",
+    "MemoryBudgetError",
+    "NebuliteError",
+    "NotFoundError",
+    "NotInitializedError",
+    "PersistError",
+    "StorageError",
+    "StorageFullError",
+    "StoragePermissionError",
+    "UnsupportedVersionError",
+    "flush_persistence",
+    "get_checkpoint",
+    "get_latest_checkpoint",
+    "get_latest_checkpoint_path",
+    "history",
+    "init",
+    "list_checkpoints",
+    "session_info",
+    "shutdown",
+]

@@ -1,0 +1,97 @@
+"""Configuration: arguments of init() and the NEBULA_* environment variables."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import InvalidArgumentError
+
+#: Versions kept when num_of_version_in_retention is not given (Nebula's default).
+DEFAULT_RETENTION = 2
+
+
+def _parse_number(name: str, value: Any, kind: type) -> Any:
+    try:
+        out = kind(value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{name} must be a number, got {value!r}") from None
+    if out < 0:
+        raise InvalidArgumentError(f"{name} must not be negative, got {value!r}")
+    return out
+
+
+@dataclass
+class Config:
+    persistent_storage_path: str | None = None
+    persistent_time_interval: float = 0.0
+    num_of_version_in_retention: int = DEFAULT_RETENTION
+    memory_buffer_size: int = 0  # bytes per node; 0 = default (25% of RAM)
+    io_threads: int = 0
+    copy_threads: int = 0
+    direct_io: bool = True
+    prefault: bool = True
+    commit_timeout: float = 600.0
+    rank: int | None = None
+    world_size: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def resolve(
+        cls,
+        persistent_storage_path: str | os.PathLike[str] | None,
+        persistent_time_interval: float | None,
+        num_of_version_in_retention: int | None,
+        more: dict[str, Any],
+    ) -> "Config":
+        env = os.environ
+        c = cls()
+        path = persistent_storage_path
+        if path is None:
+            path = env.get("NEBULA_PERSISTENT_STORAGE_PATH") or None
+        if path is not None:
+            path = os.fspath(path)
+            if not path or "\0" in path:
+                raise InvalidArgumentError(f"persistent_storage_path is not a valid path: {path!r}")
+            if "://" in path and not path.startswith("file://"):
+                raise InvalidArgumentError(
+                    f"persistent_storage_path {path!r}: object stores are not supported by the "
+                    "embedded engine; use a local or mounted path"
+                )
+            if path.startswith("file://"):
+                path = path[len("file://"):]
+            c.persistent_storage_path = os.path.abspath(path)
+        interval = persistent_time_interval
+        if interval is None:
+            interval = env.get("NEBULA_PERSISTENT_TIME_INTERVAL")
+        c.persistent_time_interval = (
+            0.0 if interval is None else _parse_number("persistent_time_interval", interval, float)
+        )
+        if num_of_version_in_retention is not None:
+            c.num_of_version_in_retention = _parse_number(
+                "num_of_version_in_retention", num_of_version_in_retention, int
+            )
+        buf = more.pop("memory_buffer_size", None)
+        if buf is None:
+            buf = env.get("NEBULA_MEMORY_BUFFER_SIZE")
+        if buf is not None:
+            c.memory_buffer_size = _parse_number("NEBULA_MEMORY_BUFFER_SIZE", buf, int)
+        for key in ("io_threads", "copy_threads"):
+            if key in more:
+                setattr(c, key, _parse_number(key, more.pop(key), int))
+        for key in ("direct_io", "prefault"):
+            if key in more:
+                setattr(c, key, bool(more.pop(key)))
+        if "commit_timeout" in more:
+            c.commit_timeout = _parse_number("commit_timeout", more.pop("commit_timeout"), float)
+        for key in ("rank", "world_size"):
+            if key in more:
+                setattr(c, key, _parse_number(key, more.pop(key), int))
+        if more:
+            warnings.warn(
+                f"nebulite.init: ignoring unknown options {sorted(more)}", stacklevel=3
+            )
+            c.extra = dict(more)
+        return c

@@ -1,0 +1,182 @@
+"""State flattening: an object with tensors <-> the records of a torch.save archive.
+
+Saving runs torch's own serializer (``torch.serialization._save``) against a stand-in
+for its zip writer. It hands us ``data.pkl`` (the pickled skeleton, tensors as
+persistent ids) as bytes and every storage as a pointer and a size, without a copy;
+the C++ engine then copies the storages straight from tensor memory into the arena.
+Loading runs torch's own loader (``torch.serialization._load``) against a stand-in
+for its zip reader that serves records from the memory tier or from a data file, so
+every tensor subtype, view, shared storage and dtype is handled as torch handles it,
+and ``weights_only`` behaves exactly as in ``torch.load``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import pickle
+import secrets
+import time
+from typing import Any, Callable
+
+import torch
+
+from .errors import InvalidArgumentError
+
+FORMAT_VERSION = 1
+INDEX_RECORD = ".nebulite/index.json"
+_TORCH_ARCHIVE_VERSION = b"3\n"  # what torch.save writes as `version`
+STORAGE_ALIGNMENT = 4096
+
+
+def _bytes_address(b: bytes) -> int:
+    if not b:
+        return 0
+    return ctypes.cast(ctypes.c_char_p(b), ctypes.c_void_p).value or 0
+
+
+class RecordCollector:
+    """Stands in for torch's zip writer; keeps what it is handed alive."""
+
+    def __init__(self) -> None:
+        self.records: list[tuple[str, int, int]] = []
+        self._keep: list[Any] = []
+        self.storage_bytes = 0
+
+    def write_record(self, name: str, data: Any, nbytes: int) -> None:
+        if isinstance(data, str):
+            data = data.encode()
+        if isinstance(data, (bytes, bytearray)):
+            data = bytes(data)
+            self._keep.append(data)
+            self.records.append((name, _bytes_address(data), len(data)))
+            return
+        # An untyped storage (already on the CPU: _save moves others there).
+        if data.device.type != "cpu":  # pragma: no cover - _save handles it
+            data = data.cpu()
+        self._keep.append(data)
+        self.records.append((name, int(data.data_ptr()), int(nbytes)))
+        self.storage_bytes += int(nbytes)
+
+    def write_record_metadata(self, name: str, nbytes: int) -> None:  # pragma: no cover
+        raise InvalidArgumentError("saving with skip_data is not supported")
+
+    def add_bytes(self, name: str, data: bytes) -> None:
+        self.write_record(name, data, len(data))
+
+
+def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str) -> RecordCollector:
+    """Returns the records of `obj` as torch.save would write them, plus nebulite's index."""
+    collector = RecordCollector()
+    try:
+        torch.serialization._save(obj, collector, pickle, 2, False)
+    except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as e:
+        raise InvalidArgumentError(
+            f"cannot save {name!r} in checkpoint {tag!r}: the object is not picklable ({e})"
+        ) from e
+    # torch.save's own writer adds these two records; so do we.
+    collector.add_bytes("version", _TORCH_ARCHIVE_VERSION)
+    collector.add_bytes(".data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())
+    index = {
+        "format": "nebulite",
+        "format_version": FORMAT_VERSION,
+        "tag": tag,
+        "name": name,
+        "rank": rank,
+        "version": version,
+        "created_unix_ns": time.time_ns(),
+    }
+    collector.add_bytes(INDEX_RECORD, json.dumps(index, sort_keys=True).encode())
+    # torch records its own payload alignment; ours is 4 KiB.
+    alignment = str(STORAGE_ALIGNMENT).encode()
+    for i, (n, _, _) in enumerate(collector.records):
+        if n == ".storage_alignment":
+            collector._keep.append(alignment)
+            collector.records[i] = (n, _bytes_address(alignment), len(alignment))
+    return collector
+
+
+class ArchiveSource:
+    """Stands in for torch's zip reader (PyTorchFileReader) over nebulite records.
+
+    `read(name)` returns a record's bytes; `read_into(name, address)` fills memory.
+    """
+
+    def __init__(
+        self,
+        sizes: dict[str, int],
+        read: Callable[[str], bytes],
+        read_into: Callable[[str, int], None],
+        description: str,
+    ) -> None:
+        self._sizes = sizes
+        self._read = read
+        self._read_into = read_into
+        self.description = description
+
+    def has_record(self, name: str) -> bool:
+        return name in self._sizes
+
+    def get_record(self, name: str) -> bytes:
+        return self._read(name)
+
+    def get_all_records(self) -> list[str]:
+        return list(self._sizes)
+
+    def get_storage_from_record(self, name: str, numel: int, dtype: Any) -> torch.Tensor:
+        size = self._sizes.get(name)
+        if size is None:
+            from .errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(f"{self.description}: missing record {name!r}")
+        if size != numel:
+            from .errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(
+                f"{self.description}: record {name!r} holds {size} bytes, the skeleton expects {numel}"
+            )
+        t = torch.empty(numel, dtype=torch.uint8)
+        if numel:
+            self._read_into(name, t.data_ptr())
+        return t
+
+    def serialization_id(self) -> str:
+        try:
+            return self._read(".data/serialization_id").decode()
+        except Exception:
+            return ""
+
+    def check_index(self) -> None:
+        """Rejects a nebulite index record from a newer format version."""
+        if INDEX_RECORD not in self._sizes:
+            return
+        from .errors import CorruptCheckpointError, UnsupportedVersionError
+
+        try:
+            index = json.loads(self._read(INDEX_RECORD))
+            version = int(index["format_version"])
+        except (ValueError, KeyError, TypeError) as e:
+            raise CorruptCheckpointError(f"{self.description}: unreadable nebulite index ({e})") from e
+        if version > FORMAT_VERSION:
+            raise UnsupportedVersionError(
+                f"{self.description}: written by nebulite format version {version}; "
+                f"this nebulite reads up to version {FORMAT_VERSION}. Upgrade nebulite."
+            )
+
+
+def load_archive(source: ArchiveSource, map_location: Any, weights_only: bool) -> Any:
+    """Unpickles the skeleton with torch's loader; tensors come from `source`."""
+    source.check_index()
+    if weights_only:
+        from torch import _weights_only_unpickler
+
+        try:
+            return torch.serialization._load(source, map_location, _weights_only_unpickler)
+        except pickle.UnpicklingError as e:
+            raise pickle.UnpicklingError(
+                f"{source.description}: weights-only load failed: {e}\n"
+                "The object holds types that torch.load(weights_only=True) does not allow. "
+                "If you trust this checkpoint, load it with weights_only=False, or allow the "
+                "types with torch.serialization.add_safe_globals([...])."
+            ) from None
+    return torch.serialization._load(source, map_location, pickle)

@@ -1,0 +1,542 @@
+"""The Nebula-compatible API: init, Checkpoint, get_latest_checkpoint and friends.
+
+A checkpoint is identified by its tag; each save of a tag is a new *version*. The
+life of a version: ``save()`` stages each object in the memory tier and returns;
+the version completes when ``num_files`` objects were saved or ``commit()`` is
+called; it is then loadable from memory at once, and, when it is due (see
+``persistent_time_interval``), persisted in the background and committed in the
+store. Readers only ever see committed versions.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import os
+import threading
+import time
+import warnings
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import _core, _dist
+from ._config import Config
+from ._serialization import ArchiveSource, flatten, load_archive
+from .errors import (
+    CorruptCheckpointError,
+    FailedPreconditionError,
+    InvalidArgumentError,
+    NebuliteError,
+    NotFoundError,
+    NotInitializedError,
+    PersistError,
+)
+
+log = logging.getLogger("nebulite")
+
+#: num_files value meaning "complete when commit() is called" (what DeepSpeed passes).
+COMMIT_EXPLICITLY = -2
+
+_lock = threading.RLock()
+
+
+@dataclass
+class _OpenVersion:
+    tag: str
+    version: str
+    names: list[str] = field(default_factory=list)
+
+
+class _Session:
+    """Everything init() sets up; one per process."""
+
+    def __init__(self, config: Config) -> None:
+        self.config = config
+        rank, world = _dist.rank_and_world()
+        self.rank = config.rank if config.rank is not None else rank
+        self.world_size = config.world_size if config.world_size is not None else world
+        self.run_id = os.environ.get("NEBULITE_RUN_ID") or _dist.agree_on_run_id()
+        self.engine = _core.Engine.open(
+            config.persistent_storage_path or "",
+            rank=self.rank,
+            world_size=self.world_size,
+            memory_bytes=config.memory_buffer_size,
+            prefault=config.prefault,
+            copy_threads=config.copy_threads,
+            io_threads=config.io_threads,
+            direct_io=config.direct_io,
+            retention=config.num_of_version_in_retention,
+            commit_timeout=config.commit_timeout,
+        )
+        self.counter = 0
+        self.open: dict[str, _OpenVersion] = {}
+        self.last_persist: float | None = None
+        self.seq = 0
+        if self.root:
+            entries, _ = _core.read_catalog(self.root)
+            self.seq = max((e["seq"] for e in entries), default=0)
+
+    @property
+    def root(self) -> str | None:
+        return self.config.persistent_storage_path
+
+    def new_version(self, tag: str) -> _OpenVersion:
+        self.counter += 1
+        v = _OpenVersion(tag, f"v{self.run_id}-{self.counter:06d}")
+        self.open[tag] = v
+        return v
+
+    def raise_background_errors(self) -> None:
+        errors = self.engine.take_errors()
+        if not errors:
+            return
+        text = "; ".join(f"{code}: {msg}" for code, msg in errors)
+        raise PersistError(f"background persistence failed: {text}", errors)
+
+
+_session: _Session | None = None
+_verified: dict[tuple[str, str, str], bool] = {}
+
+
+def _require_session() -> _Session:
+    if _session is None:
+        raise NotInitializedError("nebulite.init() must be called before saving checkpoints")
+    return _session
+
+
+def init(
+    persistent_storage_path: str | os.PathLike[str] | None = None,
+    persistent_time_interval: float | None = None,
+    num_of_version_in_retention: int | None = None,
+    **more: Any,
+) -> None:
+    """Configures nebulite for this process.
+
+    Args:
+        persistent_storage_path: where committed checkpoints are persisted (a local or
+            mounted directory). Default: ``$NEBULA_PERSISTENT_STORAGE_PATH``; without
+            one, checkpoints live in the memory tier only.
+        persistent_time_interval: minimum seconds between two checkpoints persisted to
+            the path (default ``$NEBULA_PERSISTENT_TIME_INTERVAL``, else 0: persist
+            every checkpoint). Checkpoints in between stay in memory, loadable.
+        num_of_version_in_retention: committed versions kept (default 2; 0 keeps all).
+        **more: ``memory_buffer_size`` (bytes; default ``$NEBULA_MEMORY_BUFFER_SIZE``,
+            else a quarter of RAM), ``io_threads``, ``copy_threads``, ``direct_io``,
+            ``prefault``, ``commit_timeout`` (seconds), ``rank``, ``world_size``.
+
+    Calling init() again drains the previous configuration's pending work first.
+    """
+    global _session
+    config = Config.resolve(
+        persistent_storage_path, persistent_time_interval, num_of_version_in_retention, dict(more)
+    )
+    with _lock:
+        if _session is not None:
+            old, _session = _session, None
+            old.engine.close(config.commit_timeout)
+        _session = _Session(config)
+
+
+def _shutdown() -> None:
+    global _session
+    with _lock:
+        if _session is not None:
+            try:
+                _session.engine.close(_session.config.commit_timeout)
+            except NebuliteError as e:  # pragma: no cover - reported at exit
+                log.error("nebulite: pending checkpoints could not be persisted: %s", e)
+            _session = None
+
+
+atexit.register(_shutdown)
+
+
+def _validate(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise InvalidArgumentError(f"{what} must be a string, got {type(value).__name__}")
+    _core.validate_component(value, what)
+    return value
+
+
+class Checkpoint:
+    """A handle on the checkpoint `tag`.
+
+    ``Checkpoint(tag, num_files=N)`` completes after N saves on this rank;
+    ``num_files=-2`` completes when :meth:`commit` is called. Handles are keyed by
+    tag: a new handle of a tag joins the version that earlier handles started.
+    Handles returned by :func:`get_latest_checkpoint` and :func:`get_checkpoint`
+    refer to a committed version and load from it; ``tag`` is ``''`` when there is
+    no such checkpoint.
+    """
+
+    def __init__(self, tag: str, num_files: int = 1, *, _committed: dict[str, Any] | None = None) -> None:
+        if _committed is None and tag != "":
+            _validate(tag, "tag")
+        if not isinstance(num_files, int) or (num_files <= 0 and num_files != COMMIT_EXPLICITLY):
+            raise InvalidArgumentError(
+                f"num_files must be a positive count or {COMMIT_EXPLICITLY}, got {num_files!r}"
+            )
+        self.tag = tag
+        self.num_files = num_files
+        self._committed = _committed  # tag, version, seq, tier, root, names
+
+    def __repr__(self) -> str:
+        if self._committed:
+            return f"Checkpoint(tag={self.tag!r}, version={self._committed['version']!r})"
+        return f"Checkpoint(tag={self.tag!r}, num_files={self.num_files})"
+
+    @property
+    def version(self) -> str | None:
+        """The committed version this handle loads from (None for a writing handle)."""
+        return self._committed["version"] if self._committed else None
+
+    # -- writing --------------------------------------------------------------
+
+    def save(self, name: str, obj: Any) -> None:
+        """Stages `obj` (anything picklable holding tensors) as `name`; returns once it is
+        safe in the memory tier. Persistence happens in the background."""
+        if self.tag == "":
+            raise InvalidArgumentError("cannot save into the empty checkpoint handle (tag '')")
+        _validate(name, "name")
+        with _lock:
+            s = _require_session()
+            s.raise_background_errors()
+            v = s.open.get(self.tag) or s.new_version(self.tag)
+            if name in v.names:
+                raise InvalidArgumentError(f"{name!r} was already saved in checkpoint {self.tag!r}")
+            records = flatten(obj, tag=self.tag, name=name, rank=s.rank, version=v.version)
+            s.engine.stage(self.tag, v.version, name, records.records)
+            del records
+            v.names.append(name)
+            if self.num_files > 0 and len(v.names) >= self.num_files:
+                self._commit_locked(s)
+
+    def commit(self) -> bool:
+        """Completes the checkpoint. Returns True once it is committed (in memory at
+        once; in the store in the background when it is due to be persisted)."""
+        with _lock:
+            s = _require_session()
+            s.raise_background_errors()
+            return self._commit_locked(s)
+
+    def _commit_locked(self, s: _Session) -> bool:
+        v = s.open.get(self.tag)
+        if v is None:
+            if s.world_size > 1:
+                v = s.new_version(self.tag)  # this rank saved nothing but takes part
+            else:
+                if any(x["tag"] == self.tag for x in s.engine.versions()):
+                    return True  # already completed by its num_files
+                warnings.warn(f"nebulite: checkpoint {self.tag!r} has nothing to commit", stacklevel=3)
+                return False
+        now = time.monotonic()
+        due = bool(s.root) and (
+            s.last_persist is None or now - s.last_persist >= s.config.persistent_time_interval
+        )
+        mine = [int(due) if s.rank == 0 else 0, int(s.engine.must_persist(self.tag, v.version)),
+                s.seq + 1 if s.rank == 0 else 0]
+        due_all, must, seq = _dist.all_reduce_max(mine)
+        persist = bool(s.root) and bool(due_all or must)
+        s.seq = max(s.seq, seq)
+        s.engine.commit(self.tag, v.version, seq, persist)
+        if persist:
+            s.last_persist = now
+        del s.open[self.tag]
+        return True
+
+    # -- reading --------------------------------------------------------------
+
+    def load(self, name: str, map_location: Any = None, *, weights_only: bool = True) -> Any:
+        """Loads object `name` of this committed checkpoint.
+
+        Reads from the memory tier when the version is there, else from the store.
+        ``weights_only`` has ``torch.load``'s meaning and default (True).
+        """
+        if not self._committed:
+            if self.tag == "":
+                raise NotFoundError("no valid checkpoint: this handle has an empty tag")
+            found = get_checkpoint(tag=self.tag)
+            if not found._committed:
+                raise NotFoundError(f"checkpoint {self.tag!r} is not committed")
+            self._committed = found._committed
+        _validate(name, "name")
+        c = self._committed
+        if c["tier"] == "memory":
+            s = _session
+            if s is not None:
+                try:
+                    lease = s.engine.pin(c["tag"], c["version"], name)
+                except NotFoundError:
+                    lease = None
+                if lease is not None:
+                    return _load_from_lease(lease, c, name, map_location, weights_only)
+            # Not (or no longer) in this process's memory: try the store.
+            if s is None or not s.root:
+                raise NotFoundError(f"{name!r} of checkpoint {c['tag']!r} is not in memory")
+            stored = _find_committed(s.root, c["tag"], c["version"])
+            if stored is None:
+                raise NotFoundError(
+                    f"{name!r} of checkpoint {c['tag']!r} left memory and is not persisted"
+                )
+            c = stored
+        return _load_from_store(c, name, map_location, weights_only)
+
+    def list_names(self) -> list[str]:
+        return list(self._committed["names"]) if self._committed else []
+
+
+def _load_from_lease(lease: Any, c: dict[str, Any], name: str, map_location: Any, weights_only: bool) -> Any:
+    records = lease.records()
+    prefix = "archive/"
+    sizes = {n: size for n, _, size in records}
+    source = ArchiveSource(
+        sizes,
+        read=lambda n: lease.read(n),
+        read_into=lambda n, addr: lease.copy_to(n, addr),
+        description=f"checkpoint {c['tag']!r} ({c['version']}) object {name!r} in memory",
+    )
+    del prefix
+    try:
+        return load_archive(source, map_location, weights_only)
+    finally:
+        del lease
+
+
+def _manifests(root: str, tag: str, version: str, world_size: int) -> list[dict[str, Any]]:
+    return [_core.read_manifest(root, tag, version, r) for r in range(world_size)]
+
+
+def _locate(root: str, c: dict[str, Any], name: str, rank: int) -> tuple[str, tuple[str, int, int]]:
+    """Path and manifest entry of `name`, preferring this rank's own file."""
+    world = int(c.get("world_size", 1))
+    order = [rank] + [r for r in range(world) if r != rank] if rank < world else list(range(world))
+    for r in order:
+        m = _core.read_manifest(root, c["tag"], c["version"], r)
+        for entry in m["files"]:
+            if entry[0] == name:
+                return _core.data_file_path(c["tag"], c["version"], r, name), tuple(entry)
+    raise NotFoundError(f"checkpoint {c['tag']!r} has no object {name!r}")
+
+
+def _load_from_store(c: dict[str, Any], name: str, map_location: Any, weights_only: bool) -> Any:
+    root = c["root"]
+    rank = _session.rank if _session is not None else 0
+    rel, _ = _locate(root, c, name, rank)
+    archive = _core.StoredArchive.open(root, rel)
+    prefix = archive.prefix + "/"
+    sizes = {n: size for n, _, size, _ in archive.records()}
+    path = os.path.join(root, rel)
+    source = ArchiveSource(
+        sizes,
+        read=lambda n: archive.read(n),
+        read_into=lambda n, addr: archive.read_into(n, addr, 4),
+        description=path,
+    )
+    del prefix
+    return load_archive(source, map_location, weights_only)
+
+
+def _verify(root: str, entry: dict[str, Any]) -> bool:
+    """Checks every rank's manifest and data file (size and CRC); cached per process."""
+    key = (root, entry["tag"], entry["version"])
+    if key in _verified:
+        return _verified[key]
+    ok = True
+    try:
+        for r in range(int(entry["world_size"])):
+            m = _core.read_manifest(root, entry["tag"], entry["version"], r)
+            for name, size, crc in m["files"]:
+                path = _core.data_file_path(entry["tag"], entry["version"], r, name)
+                _core.verify_data_file(root, path, name, size, crc)
+    except (CorruptCheckpointError, NotFoundError, OSError) as e:
+        warnings.warn(
+            f"nebulite: skipping damaged checkpoint {entry['tag']!r} ({entry['version']}): {e}",
+            stacklevel=4,
+        )
+        ok = False
+    _verified[key] = ok
+    return ok
+
+
+def _store_entries(root: str) -> list[dict[str, Any]]:
+    entries, problems = _core.read_catalog(root)
+    for p in problems:
+        warnings.warn(f"nebulite: {p}", stacklevel=4)
+    for e in entries:
+        e["tier"] = "persistent"
+        e["root"] = root
+    return entries
+
+
+def _find_committed(root: str, tag: str, version: str) -> dict[str, Any] | None:
+    for e in _store_entries(root):
+        if e["tag"] == tag and e["version"] == version:
+            e["names"] = [f[0] for m in _manifests(root, tag, version, e["world_size"]) for f in m["files"]]
+            return e
+    return None
+
+
+def _resolve_root(persist_path: str | os.PathLike[str] | None) -> str | None:
+    if persist_path:
+        return os.path.abspath(os.fspath(persist_path))
+    if _session is not None and _session.root:
+        return _session.root
+    env = os.environ.get("NEBULA_PERSISTENT_STORAGE_PATH")
+    return os.path.abspath(env) if env else None
+
+
+def _candidates(persist_path: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
+    """Committed versions visible to this process, newest commit first."""
+    s = _session
+    root = _resolve_root(persist_path)
+    out: list[dict[str, Any]] = []
+    memory_keys = set()
+    if s is not None and (root is None or root == s.root):
+        for v in s.engine.versions():
+            if not v["in_memory"]:
+                continue
+            v = dict(v, tier="memory", root=s.root, world_size=s.world_size)
+            out.append(v)
+            memory_keys.add((v["tag"], v["version"]))
+    if root is not None and os.path.isdir(root):
+        for e in _store_entries(root):
+            if (e["tag"], e["version"]) not in memory_keys:
+                out.append(e)
+    out.sort(key=lambda e: e["seq"], reverse=True)
+    return out
+
+
+def _handle(entry: dict[str, Any]) -> Checkpoint:
+    if entry["tier"] == "persistent" and "names" not in entry:
+        entry["names"] = [
+            f[0]
+            for m in _manifests(entry["root"], entry["tag"], entry["version"], entry["world_size"])
+            for f in m["files"]
+        ]
+    return Checkpoint(entry["tag"], _committed=entry)
+
+
+def _first_intact(entries: list[dict[str, Any]]) -> Checkpoint:
+    for e in entries:
+        if e["tier"] == "memory" or _verify(e["root"], e):
+            return _handle(e)
+    return Checkpoint("", _committed=None)
+
+
+def get_latest_checkpoint(persist_path: str | os.PathLike[str] | None = None) -> Checkpoint:
+    """The most recently committed checkpoint (memory tier first), skipping damaged ones
+    with a warning. ``.tag`` is ``''`` when there is none."""
+    with _lock:
+        if _session is not None:
+            _session.raise_background_errors()
+        return _first_intact(_candidates(persist_path))
+
+
+def get_checkpoint(tag: str | None = None, persist_path: str | os.PathLike[str] | None = None) -> Checkpoint:
+    """The newest committed version of `tag` (the latest checkpoint when `tag` is None)."""
+    if tag is None:
+        return get_latest_checkpoint(persist_path)
+    with _lock:
+        return _first_intact([e for e in _candidates(persist_path) if e["tag"] == tag])
+
+
+def list_checkpoints(persist_path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
+    """Every committed checkpoint visible here, newest first, as JSON-serialisable dicts."""
+    with _lock:
+        out = []
+        for e in _candidates(persist_path):
+            out.append(
+                {
+                    "tag": e["tag"],
+                    "version": e["version"],
+                    "seq": int(e["seq"]),
+                    "tier": e["tier"],
+                    "persisted": bool(e.get("persisted", e["tier"] == "persistent")),
+                    "committed_unix_ns": int(e.get("time_unix_ns", 0)),
+                    "names": list(e.get("names", [])) if e["tier"] == "memory" else _handle(e).list_names(),
+                    "path": os.path.join(e["root"], e["tag"], e["version"]) if e["tier"] == "persistent" else None,
+                }
+            )
+        return out
+
+
+def get_latest_checkpoint_path(name: str, persist_path: str | os.PathLike[str] | None = None) -> str:
+    """Path of object `name` in the newest *persisted* committed checkpoint holding it:
+    a real file that ``torch.load`` reads. Raises NotFoundError when there is none."""
+    _validate(name, "name")
+    with _lock:
+        root = _resolve_root(persist_path)
+        if root is None or not os.path.isdir(root):
+            raise NotFoundError(f"no persistent storage path to look for {name!r} in")
+        for e in sorted(_store_entries(root), key=lambda e: e["seq"], reverse=True):
+            if not _verify(e["root"], e):
+                continue
+            try:
+                rel, _ = _locate(e["root"], e, name, _session.rank if _session else 0)
+            except NotFoundError:
+                continue
+            return os.path.join(e["root"], rel)
+    raise NotFoundError(f"no persisted checkpoint holds {name!r}")
+
+
+def flush_persistence(timeout: float | None = None) -> None:
+    """Persists the newest committed checkpoint if it is only in memory, waits until
+    everything pending is committed in the store, and raises any background error."""
+    with _lock:
+        s = _require_session()
+        if not s.root:
+            s.raise_background_errors()
+            return
+        versions = s.engine.versions()
+        if versions:
+            newest = versions[-1]
+            if not newest["persist_requested"] and newest["in_memory"]:
+                s.engine.persist(newest["tag"], newest["version"])
+                s.last_persist = time.monotonic()
+        engine = s.engine
+    try:
+        engine.flush(timeout if timeout is not None else s.config.commit_timeout)
+    finally:
+        s.raise_background_errors()
+
+
+def history() -> list[dict[str, Any]]:
+    """The rows this process added to checkpointHistories.csv (also without a store)."""
+    return list(_require_session().engine.history())
+
+
+def shutdown() -> None:
+    """Drains pending persistence and releases the memory tier (also run at exit)."""
+    _shutdown()
+
+
+def _reset_for_tests() -> None:  # pragma: no cover - used by the test suite
+    _verified.clear()
+    _shutdown()
+
+
+def session_info() -> dict[str, Any]:
+    s = _require_session()
+    return {
+        "rank": s.rank,
+        "world_size": s.world_size,
+        "persistent_storage_path": s.root,
+        "memory_capacity": s.engine.memory_capacity,
+        "memory_used": s.engine.memory_used,
+        "run_id": s.run_id,
+    }
+
+
+__all__ = [
+    "COMMIT_EXPLICITLY",
+    "Checkpoint",
+    "FailedPreconditionError",
+    "flush_persistence",
+    "get_checkpoint",
+    "get_latest_checkpoint",
+    "get_latest_checkpoint_path",
+    "history",
+    "init",
+    "list_checkpoints",
+    "shutdown",
+]

@@ -1,0 +1,60 @@
+"""Exceptions raised by nebulite.
+
+Every error nebulite raises derives from :class:`NebuliteError`. Where a standard
+exception fits, the nebulite class derives from it too, so that ``except OSError``
+or ``except ValueError`` keep working.
+"""
+
+from __future__ import annotations
+
+
+class NebuliteError(Exception):
+    """Base class of every nebulite error."""
+
+
+class InvalidArgumentError(NebuliteError, ValueError):
+    """A tag, name, path or option is not acceptable."""
+
+
+class NotFoundError(NebuliteError, LookupError):
+    """The checkpoint, tag or object does not exist (or is not committed)."""
+
+
+class CorruptCheckpointError(NebuliteError):
+    """Stored bytes are not what was written (checksum, size or structure mismatch)."""
+
+
+class UnsupportedVersionError(CorruptCheckpointError):
+    """The file was written by a newer format version than this nebulite reads."""
+
+
+class StorageError(NebuliteError, OSError):
+    """The persistent store failed an operation."""
+
+
+class StorageFullError(StorageError):
+    """The persistent store ran out of space."""
+
+
+class StoragePermissionError(StorageError, PermissionError):
+    """The persistent store is not writable or readable by this process."""
+
+
+class MemoryBudgetError(NebuliteError, MemoryError):
+    """The memory budget (NEBULA_MEMORY_BUFFER_SIZE) cannot hold the request."""
+
+
+class FailedPreconditionError(NebuliteError, RuntimeError):
+    """The call is not valid in the current state."""
+
+
+class NotInitializedError(FailedPreconditionError):
+    """nebulite.init() has not been called."""
+
+
+class PersistError(NebuliteError):
+    """Background persistence failed; raised on the next call after the failure."""
+
+    def __init__(self, message: str, causes: list[tuple[str, str]] | None = None) -> None:
+        super().__init__(message)
+        self.causes = causes or []

@@ -1,0 +1,4 @@
+"""Compatibility module: ``import torch_nebula`` is nebulite (Azure ML Nebula's name)."""
+
+from nebulite import *  # noqa: F401,F403
+from nebulite import __all__, __version__  # noqa: F401
