@@ -43,6 +43,9 @@ struct EngineOptions {
   double commit_timeout_seconds = 600;   // how long rank 0 waits for other ranks
   double reserve_timeout_seconds = 600;  // how long a save waits for arena space
   bool write_history = true;   // checkpointHistories.csv in the store
+  // Tests: a store to use instead of opening persist_root (which then only names
+  // the directory of the history file, and may be empty).
+  std::shared_ptr<Storage> storage_override;
 };
 
 // 25% of physical memory, rounded to 2 MiB.

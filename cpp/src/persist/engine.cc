@@ -63,6 +63,8 @@ struct VersionState {
   bool persisted = false;   // this rank's manifest is durable
   bool store_committed = false;  // the commit marker is known to exist
   bool failed = false;
+  bool failure_flushed = false;  // a Flush() has returned this failure
+  Status error;
   bool evicted = false;
   int pins = 0;
 
@@ -93,13 +95,14 @@ class LeaseImpl : public ObjectLease {
 
 class EngineImpl : public Engine {
  public:
-  EngineImpl(EngineOptions o, std::unique_ptr<Arena> arena, std::unique_ptr<Storage> storage)
+  EngineImpl(EngineOptions o, std::unique_ptr<Arena> arena, std::shared_ptr<Storage> storage)
       : opts_(std::move(o)),
         arena_(std::move(arena)),
         storage_(std::move(storage)),
         copy_(opts_.copy_threads),
         io_(opts_.io_threads > 0 ? opts_.io_threads : 4),
-        history_(storage_ && opts_.write_history ? opts_.persist_root : std::string()) {
+        history_(storage_ && opts_.write_history && !opts_.storage_override ? opts_.persist_root
+                                                                            : std::string()) {
     if (storage_) persister_ = std::thread([this] { PersisterLoop(); });
     if (storage_ && opts_.rank == 0 && opts_.world_size > 1)
       coordinator_ = std::thread([this] { CoordinatorLoop(); });
@@ -240,9 +243,16 @@ class EngineImpl : public Engine {
         return Status::Cancelled("flush timed out with checkpoints still being persisted");
       cv_.wait_for(lock, std::chrono::milliseconds(10));
     }
-    if (failures_ > failures_before)
-      return Status::IOError("persisting a checkpoint failed during the flush (see the errors reported)");
-    return Status::OK();
+    (void)failures_before;
+    Status result;
+    for (auto& v : versions_) {
+      if (v->failed && !v->failure_flushed) {
+        v->failure_flushed = true;
+        if (result.ok())
+          result = Status::IOError("persisting checkpoint '" + v->tag + "' failed: " + v->error.ToString());
+      }
+    }
+    return result;
   }
 
   void Abandon(const std::string& tag, const std::string& version) override {
@@ -576,6 +586,8 @@ class EngineImpl : public Engine {
       busy_ = false;
       if (!st.ok()) {
         v->failed = true;
+        v->failure_flushed = false;
+        v->error = st;
         ReportLocked(st.WithContext("persisting checkpoint '" + v->tag + "'"));
         history_.Append({v->tag, v->version, "", opts_.rank, 0, 0, 0, "persistent", "failed: " + st.ToString()});
       } else {
@@ -669,6 +681,8 @@ class EngineImpl : public Engine {
         if (done) v->store_committed = true;
         if (!st.ok()) {
           v->failed = true;
+          v->failure_flushed = false;
+          v->error = st;
           ReportLocked(st.WithContext("committing checkpoint '" + v->tag + "'"));
         }
         ApplyMemoryRetentionLocked();
@@ -682,7 +696,7 @@ class EngineImpl : public Engine {
   friend class LeaseImpl;
   EngineOptions opts_;
   std::unique_ptr<Arena> arena_;
-  std::unique_ptr<Storage> storage_;
+  std::shared_ptr<Storage> storage_;
   CopyEngine copy_;
   CopyEngine io_;  // used as the io thread pool
   HistoryLog history_;
@@ -717,8 +731,8 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     return Status::InvalidArgument("rank " + std::to_string(o.rank) + " is outside world size " +
                                    std::to_string(o.world_size));
   if (o.memory_bytes == 0) o.memory_bytes = DefaultMemoryBytes();
-  std::unique_ptr<Storage> storage;
-  if (!o.persist_root.empty()) {
+  std::shared_ptr<Storage> storage = o.storage_override;
+  if (!storage && !o.persist_root.empty()) {
     NEBULITE_ASSIGN_OR_RETURN(storage, OpenPosixStorage(o.persist_root, o.direct_io));
   }
   NEBULITE_ASSIGN_OR_RETURN(auto arena, Arena::Create(o.memory_bytes, o.prefault));

@@ -1,0 +1,31 @@
+# The README's commands. Each installs what it needs first (scripts/setup.sh).
+PY := .venv/bin/python
+JOBS ?= 2
+
+.PHONY: setup demo test test-cpp test-py bench format clean
+
+setup:
+	bash scripts/setup.sh
+
+demo: setup
+	$(PY) examples/demo.py
+
+test: setup test-cpp test-py
+
+test-cpp:
+	.venv/bin/cmake -S . -B build/tests -G Ninja -DNEBULITE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_MAKE_PROGRAM=$(CURDIR)/.venv/bin/ninja >/dev/null
+	.venv/bin/ninja -C build/tests -j $(JOBS) nebulite_tests
+	./build/tests/nebulite_tests --gtest_brief=1
+
+test-py:
+	$(PY) -m pytest -q tests
+
+bench: setup
+	$(PY) benchmarks/bench_save.py
+
+format:
+	clang-format -i $$(git ls-files 'cpp/*.h' 'cpp/*.cc' 'bindings/*.h' 'bindings/*.cc' 'fuzz/*.cc')
+
+clean:
+	rm -rf build .venv

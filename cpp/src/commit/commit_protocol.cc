@@ -1,0 +1,163 @@
+// The commit protocol: where each piece of a version lives, and the order in which
+// the pieces become durable (docs/format.md is normative).
+//
+//   1. each rank: data files written and Sync()ed (the caller);
+//   2. each rank: WriteManifest(): SyncDir of the rank directory (the data files'
+//      entries), the version directory, the tag directory and the root (the
+//      directories' own entries), then the manifest via WriteFileAtomic (temp, fsync,
+//      rename, fsync directory);
+//   3. the coordinator: WriteCommitMarker() once every manifest is present: it reads
+//      and checks them all, records their CRCs, and writes COMMITTED the same way, last.
+// A crash before step 3 completes leaves no marker, so the version stays invisible.
+#include <algorithm>
+#include <string>
+#include <vector>
+
+#include "nebulite/commit.h"
+#include "nebulite/crc32.h"
+
+namespace nebulite {
+namespace {
+
+constexpr uint64_t kVerifyChunkBytes = 8ull << 20;
+
+Status ValidateIds(const std::string& tag, const std::string& version) {
+  NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(tag, "tag"));
+  return ValidatePathComponent(version, "version");
+}
+
+std::string RankDir(const std::string& tag, const std::string& version, uint32_t rank) {
+  return VersionDir(tag, version) + "/rank" + std::to_string(rank);
+}
+
+}  // namespace
+
+std::string VersionDir(const std::string& tag, const std::string& version) {
+  return tag + "/" + version;
+}
+
+std::string DataFilePath(const std::string& tag, const std::string& version, uint32_t rank,
+                         const std::string& name) {
+  return RankDir(tag, version, rank) + "/" + name;
+}
+
+std::string ManifestPath(const std::string& tag, const std::string& version, uint32_t rank) {
+  return VersionDir(tag, version) + "/rank" + std::to_string(rank) + ".manifest";
+}
+
+std::string CommitMarkerPath(const std::string& tag, const std::string& version) {
+  return VersionDir(tag, version) + "/COMMITTED";
+}
+
+Status WriteManifest(Storage* storage, const Manifest& m) {
+  NEBULITE_RETURN_IF_ERROR(ValidateIds(m.tag, m.version));
+  if (m.world_size == 0 || m.rank >= m.world_size) {
+    return Status::InvalidArgument("manifest rank " + std::to_string(m.rank) +
+                                   " is not below world_size " + std::to_string(m.world_size));
+  }
+  for (const ManifestFile& f : m.files) {
+    NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(f.name, "file name"));
+  }
+  // Make every directory entry on the way to the data files durable before the manifest
+  // that names them exists. A rank without files still gets its (empty) directory.
+  const std::string rank_dir = RankDir(m.tag, m.version, m.rank);
+  NEBULITE_RETURN_IF_ERROR(storage->CreateDirs(rank_dir));
+  NEBULITE_RETURN_IF_ERROR(storage->SyncDir(rank_dir));
+  NEBULITE_RETURN_IF_ERROR(storage->SyncDir(VersionDir(m.tag, m.version)));
+  NEBULITE_RETURN_IF_ERROR(storage->SyncDir(m.tag));
+  NEBULITE_RETURN_IF_ERROR(storage->SyncDir(""));
+  return storage->WriteFileAtomic(ManifestPath(m.tag, m.version, m.rank), EncodeManifest(m));
+}
+
+Result<Manifest> ReadManifest(Storage* storage, const std::string& tag, const std::string& version,
+                              uint32_t rank) {
+  NEBULITE_RETURN_IF_ERROR(ValidateIds(tag, version));
+  const std::string path = ManifestPath(tag, version, rank);
+  NEBULITE_ASSIGN_OR_RETURN(std::string text, storage->ReadFile(path, kMaxManifestBytes));
+  Result<Manifest> m = DecodeManifest(text);
+  if (!m.ok()) return m.status().WithContext(path);
+  if (m->tag != tag || m->version != version || m->rank != rank) {
+    return Status::Corruption(path + ": manifest is for tag '" + m->tag + "' version '" +
+                              m->version + "' rank " + std::to_string(m->rank));
+  }
+  return m;
+}
+
+Result<bool> AllManifestsPresent(Storage* storage, const std::string& tag,
+                                 const std::string& version, uint32_t world_size) {
+  NEBULITE_RETURN_IF_ERROR(ValidateIds(tag, version));
+  for (uint32_t r = 0; r < world_size; ++r) {
+    NEBULITE_ASSIGN_OR_RETURN(bool exists, storage->Exists(ManifestPath(tag, version, r)));
+    if (!exists) return false;
+  }
+  return true;
+}
+
+Status WriteCommitMarker(Storage* storage, const CommitRecord& c) {
+  NEBULITE_RETURN_IF_ERROR(ValidateIds(c.tag, c.version));
+  if (c.world_size == 0) return Status::InvalidArgument("commit world_size must be at least 1");
+  if (!c.manifest_crc32.empty() && c.manifest_crc32.size() != c.world_size) {
+    return Status::InvalidArgument(
+        "commit record lists " + std::to_string(c.manifest_crc32.size()) +
+        " manifest checksums for world_size " + std::to_string(c.world_size));
+  }
+  CommitRecord record = c;
+  record.manifest_crc32.clear();
+  for (uint32_t r = 0; r < c.world_size; ++r) {
+    const std::string path = ManifestPath(c.tag, c.version, r);
+    Result<std::string> text = storage->ReadFile(path, kMaxManifestBytes);
+    if (!text.ok()) {
+      if (text.status().code() == StatusCode::kNotFound) {
+        return Status::FailedPrecondition("cannot commit: manifest '" + path + "' is missing");
+      }
+      return text.status().WithContext("cannot commit");
+    }
+    Result<Manifest> m = DecodeManifest(*text);
+    if (!m.ok()) return m.status().WithContext("cannot commit: " + path);
+    if (m->tag != c.tag || m->version != c.version || m->rank != r ||
+        m->world_size != c.world_size) {
+      return Status::Corruption("cannot commit: " + path + " is for tag '" + m->tag +
+                                "' version '" + m->version + "' rank " + std::to_string(m->rank) +
+                                " of world_size " + std::to_string(m->world_size));
+    }
+    const uint32_t crc = Crc32(0, text->data(), text->size());
+    if (!c.manifest_crc32.empty() && c.manifest_crc32[r] != crc) {
+      return Status::Corruption("cannot commit: " + path +
+                                " does not match the checksum the coordinator expects");
+    }
+    record.manifest_crc32.push_back(crc);
+  }
+  return storage->WriteFileAtomic(CommitMarkerPath(c.tag, c.version), EncodeCommitRecord(record));
+}
+
+Status VerifyDataFile(Storage* storage, const std::string& path, const ManifestFile& f) {
+  Result<uint64_t> size = storage->FileSize(path);
+  if (!size.ok()) {
+    if (size.status().code() == StatusCode::kNotFound) {
+      return Status::Corruption("data file '" + path + "' is missing");
+    }
+    return size.status();
+  }
+  if (*size != f.size) {
+    return Status::Corruption("data file '" + path + "' has " + std::to_string(*size) +
+                              " bytes, its manifest says " + std::to_string(f.size));
+  }
+  std::string buffer(static_cast<size_t>(std::min<uint64_t>(f.size, kVerifyChunkBytes)), '\0');
+  uint32_t crc = 0;
+  uint64_t offset = 0;
+  while (offset < f.size) {
+    size_t want = static_cast<size_t>(std::min<uint64_t>(f.size - offset, buffer.size()));
+    NEBULITE_ASSIGN_OR_RETURN(size_t got, storage->ReadAt(path, offset, want, buffer.data()));
+    if (got != want) {
+      return Status::Corruption("data file '" + path + "' shrank while being verified");
+    }
+    crc = Crc32(crc, buffer.data(), got);
+    offset += got;
+  }
+  if (crc != f.crc32) {
+    return Status::Corruption("data file '" + path + "' fails its CRC-32 check");
+  }
+  return Status::OK();
+}
+
+}  // namespace nebulite

@@ -1,0 +1,279 @@
+#include "nebulite/engine.h"
+
+#include <gtest/gtest.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <vector>
+
+#include "nebulite/commit.h"
+#include "nebulite/crc32.h"
+#include "nebulite/fault_storage.h"
+
+namespace nebulite {
+namespace {
+
+namespace fs = std::filesystem;
+
+class TempDir {
+ public:
+  TempDir() {
+    std::string t = (fs::temp_directory_path() / "nebulite_engine_XXXXXX").string();
+    path_ = mkdtemp(t.data());
+  }
+  ~TempDir() { fs::remove_all(path_); }
+  const std::string& path() const { return path_; }
+
+ private:
+  std::string path_;
+};
+
+std::vector<uint8_t> Bytes(size_t n, uint8_t seed) {
+  std::vector<uint8_t> v(n);
+  for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(i * 7 + seed + (i >> 12));
+  return v;
+}
+
+struct Object {
+  std::vector<std::vector<uint8_t>> payloads;
+  std::vector<SourceRecord> records;
+};
+
+Object MakeObject(const std::vector<size_t>& sizes, uint8_t seed) {
+  Object o;
+  o.payloads.reserve(sizes.size());
+  for (size_t i = 0; i < sizes.size(); ++i) o.payloads.push_back(Bytes(sizes[i], seed + i));
+  for (size_t i = 0; i < sizes.size(); ++i)
+    o.records.push_back({i == 0 ? "data.pkl" : "data/" + std::to_string(i - 1), o.payloads[i].data(),
+                         o.payloads[i].size()});
+  return o;
+}
+
+EngineOptions Options(const std::string& root, uint64_t memory = 32 << 20) {
+  EngineOptions o;
+  o.persist_root = root;
+  o.memory_bytes = memory;
+  o.prefault = false;
+  o.copy_threads = 2;
+  o.io_threads = 2;
+  return o;
+}
+
+// Reads every record of a persisted data file back and compares it.
+void ExpectStored(Storage* s, const std::string& path, const Object& o) {
+  auto a = StoredArchive::Open(s, path);
+  ASSERT_TRUE(a.ok()) << a.status().ToString();
+  for (size_t i = 0; i < o.records.size(); ++i) {
+    const auto* e = (*a)->index().Find(o.records[i].name);
+    ASSERT_NE(e, nullptr) << o.records[i].name;
+    std::vector<uint8_t> got(e->size);
+    Status rs = (*a)->ReadInto(*e, got.data(), 2);
+    ASSERT_TRUE(rs.ok()) << rs.ToString();
+    EXPECT_EQ(got, o.payloads[i]) << o.records[i].name;
+  }
+}
+
+TEST(EngineTest, PersistsCommitsAndReadsBack) {
+  TempDir dir;
+  auto e = Engine::Open(Options(dir.path()));
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  Engine& engine = **e;
+  auto obj = MakeObject({300, 5 << 20, 1, 0, 123457}, 1);
+  auto info = engine.Stage("step1", "v1", "model", obj.records);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_FALSE(info->streamed);
+  EXPECT_GT(info->bytes, 5u << 20);
+  ASSERT_TRUE(engine.Commit("step1", "v1", 1, /*persist=*/true).ok());
+  ASSERT_TRUE(engine.Flush(60).ok());
+
+  auto cat = ReadCatalog(engine.storage());
+  ASSERT_TRUE(cat.ok());
+  ASSERT_EQ(cat->entries.size(), 1u);
+  EXPECT_EQ(cat->entries[0].commit.tag, "step1");
+  EXPECT_EQ(cat->entries[0].commit.seq, 1u);
+  ExpectStored(engine.storage(), DataFilePath("step1", "v1", 0, "model"), obj);
+  auto m = ReadManifest(engine.storage(), "step1", "v1", 0);
+  ASSERT_TRUE(m.ok());
+  ASSERT_EQ(m->files.size(), 1u);
+  EXPECT_TRUE(VerifyDataFile(engine.storage(), DataFilePath("step1", "v1", 0, "model"), m->files[0]).ok());
+  EXPECT_TRUE(fs::exists(dir.path() + "/checkpointHistories.csv"));
+  auto versions = engine.Versions();
+  ASSERT_EQ(versions.size(), 1u);
+  EXPECT_TRUE(versions[0].persisted);
+}
+
+TEST(EngineTest, MemoryOnlyVersionIsReadableThroughALease) {
+  auto e = Engine::Open(Options(""));
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  EXPECT_EQ(engine.storage(), nullptr);
+  auto obj = MakeObject({10, 70000}, 3);
+  ASSERT_TRUE(engine.Stage("t", "v1", "n", obj.records).ok());
+  EXPECT_TRUE(engine.Versions().empty());  // not committed yet
+  ASSERT_TRUE(engine.Commit("t", "v1", 1, false).ok());
+  EXPECT_EQ(engine.Commit("t", "v1", 1, true).code(), StatusCode::kOk);  // already committed
+  auto lease = engine.Pin("t", "v1", "n");
+  ASSERT_TRUE(lease.ok());
+  const auto& refs = (*lease)->records();
+  ASSERT_EQ(refs.size(), 2u);
+  EXPECT_EQ(std::memcmp((*lease)->data() + refs[1].offset, obj.payloads[1].data(), 70000), 0);
+  EXPECT_EQ(refs[1].offset % 4096, 0u);
+  EXPECT_EQ(engine.Pin("t", "v1", "other").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(engine.Commit("t", "v2", 2, true).code(), StatusCode::kFailedPrecondition);  // no store
+}
+
+TEST(EngineTest, RejectsBadNamesAndDuplicates) {
+  auto e = Engine::Open(Options(""));
+  ASSERT_TRUE(e.ok());
+  auto obj = MakeObject({10}, 0);
+  EXPECT_EQ((*e)->Stage("../x", "v", "n", obj.records).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*e)->Stage("t", "v", "a/b", obj.records).status().code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE((*e)->Stage("t", "v", "n", obj.records).ok());
+  EXPECT_EQ((*e)->Stage("t", "v", "n", obj.records).status().code(), StatusCode::kAlreadyExists);
+}
+
+TEST(EngineTest, StateLargerThanTheBudgetStreamsThroughIt) {
+  TempDir dir;
+  auto e = Engine::Open(Options(dir.path(), 4 << 20));
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  auto obj = MakeObject({1000, 9 << 20, 3 << 20, 12345}, 5);
+  auto info = engine.Stage("big", "v1", "model", obj.records);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_TRUE(info->streamed);
+  EXPECT_TRUE(engine.MustPersist("big", "v1"));
+  EXPECT_EQ(engine.Commit("big", "v1", 1, false).code(), StatusCode::kFailedPrecondition);
+  ASSERT_TRUE(engine.Commit("big", "v1", 1, true).ok());
+  ASSERT_TRUE(engine.Flush(60).ok());
+  ExpectStored(engine.storage(), DataFilePath("big", "v1", 0, "model"), obj);
+  auto m = ReadManifest(engine.storage(), "big", "v1", 0);
+  ASSERT_TRUE(m.ok());
+  EXPECT_TRUE(VerifyDataFile(engine.storage(), DataFilePath("big", "v1", 0, "model"), m->files[0]).ok());
+  EXPECT_EQ(engine.memory_used(), 0u);
+}
+
+TEST(EngineTest, WithoutAStoreAnOversizedStateIsAClearError) {
+  auto e = Engine::Open(Options("", 2 << 20));
+  ASSERT_TRUE(e.ok());
+  auto obj = MakeObject({4 << 20}, 0);
+  auto r = (*e)->Stage("t", "v", "n", obj.records);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_NE(r.status().message().find("NEBULA_MEMORY_BUFFER_SIZE"), std::string::npos);
+}
+
+TEST(EngineTest, BackPressureRecyclesMemoryOfPersistedVersions) {
+  TempDir dir;
+  auto e = Engine::Open(Options(dir.path(), 8 << 20));
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  for (int i = 0; i < 8; ++i) {
+    auto obj = MakeObject({100, 3 << 20}, static_cast<uint8_t>(i));
+    std::string tag = "t" + std::to_string(i);
+    auto info = engine.Stage(tag, "v", "n", obj.records);
+    ASSERT_TRUE(info.ok()) << i << ": " << info.status().ToString();
+    EXPECT_FALSE(info->streamed);
+    ASSERT_TRUE(engine.Commit(tag, "v", i + 1, true).ok());
+  }
+  ASSERT_TRUE(engine.Flush(60).ok());
+  auto cat = ReadCatalog(engine.storage());
+  ASSERT_TRUE(cat.ok());
+  EXPECT_EQ(cat->entries.size(), 8u);
+  EXPECT_LE(engine.memory_used(), engine.memory_capacity());
+}
+
+TEST(EngineTest, RetentionKeepsTheNewestCommittedVersions) {
+  TempDir dir;
+  auto opts = Options(dir.path());
+  opts.retention = 2;
+  auto e = Engine::Open(opts);
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  // Tags whose names sort opposite to their commit order.
+  std::vector<std::string> tags = {"z", "y", "x", "w"};
+  for (size_t i = 0; i < tags.size(); ++i) {
+    auto obj = MakeObject({64}, static_cast<uint8_t>(i));
+    ASSERT_TRUE(engine.Stage(tags[i], "v", "n", obj.records).ok());
+    ASSERT_TRUE(engine.Commit(tags[i], "v", i + 1, true).ok());
+    ASSERT_TRUE(engine.Flush(60).ok());
+  }
+  auto cat = ReadCatalog(engine.storage());
+  ASSERT_TRUE(cat.ok());
+  ASSERT_EQ(cat->entries.size(), 2u);
+  EXPECT_EQ(cat->entries[0].commit.tag, "x");
+  EXPECT_EQ(cat->entries[1].commit.tag, "w");
+  EXPECT_FALSE(fs::exists(dir.path() + "/z"));
+  // Memory keeps at most `retention` committed versions too.
+  EXPECT_LE(engine.Versions().size(), 2u);
+}
+
+TEST(EngineTest, TwoRanksCommitOnlyWhenBothPersisted) {
+  TempDir dir;
+  auto o0 = Options(dir.path());
+  o0.world_size = 2;
+  auto o1 = o0;
+  o1.rank = 1;
+  auto e0 = Engine::Open(o0);
+  auto e1 = Engine::Open(o1);
+  ASSERT_TRUE(e0.ok() && e1.ok());
+  auto a = MakeObject({100, 4096}, 1), b = MakeObject({200, 5000}, 2);
+  ASSERT_TRUE((*e0)->Stage("s", "v", "model", a.records).ok());
+  ASSERT_TRUE((*e0)->Commit("s", "v", 1, true).ok());
+  // Rank 0 alone cannot commit.
+  usleep(100 * 1000);
+  auto st = (*e0)->storage()->Exists(CommitMarkerPath("s", "v"));
+  ASSERT_TRUE(st.ok());
+  EXPECT_FALSE(*st);
+  ASSERT_TRUE((*e1)->Stage("s", "v", "optim", b.records).ok());
+  ASSERT_TRUE((*e1)->Commit("s", "v", 1, true).ok());
+  ASSERT_TRUE((*e0)->Flush(60).ok());
+  ASSERT_TRUE((*e1)->Flush(60).ok());
+  auto cat = ReadCatalog((*e0)->storage());
+  ASSERT_TRUE(cat.ok());
+  ASSERT_EQ(cat->entries.size(), 1u);
+  EXPECT_EQ(cat->entries[0].commit.world_size, 2u);
+  ExpectStored((*e0)->storage(), DataFilePath("s", "v", 1, "optim"), b);
+}
+
+TEST(EngineTest, StoreFailureIsReportedAndEarlierCommitsStayIntact) {
+  auto base = std::shared_ptr<Storage>(NewMemoryStorage());
+  auto fault = std::shared_ptr<FaultStorage>(FaultStorage::Wrap(base.get()));
+  auto opts = Options("");
+  opts.storage_override = fault;
+  auto e = Engine::Open(opts);
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  auto good = MakeObject({100, 70000}, 1);
+  ASSERT_TRUE(engine.Stage("good", "v", "n", good.records).ok());
+  ASSERT_TRUE(engine.Commit("good", "v", 1, true).ok());
+  ASSERT_TRUE(engine.Flush(60).ok());
+  fault->FailAfter(StorageOp::kWrite, 0, Status::NoSpace("disk full (injected)"));
+  auto bad = MakeObject({100, 70000}, 2);
+  ASSERT_TRUE(engine.Stage("bad", "v", "n", bad.records).ok());
+  ASSERT_TRUE(engine.Commit("bad", "v", 2, true).ok());
+  Status flushed = engine.Flush(60);
+  EXPECT_FALSE(flushed.ok());
+  auto errors = engine.TakeErrors();
+  ASSERT_FALSE(errors.empty());
+  EXPECT_EQ(errors[0].code(), StatusCode::kNoSpace);
+  fault->ClearFailures();
+  auto cat = ReadCatalog(fault.get());
+  ASSERT_TRUE(cat.ok());
+  ASSERT_EQ(cat->entries.size(), 1u);
+  EXPECT_EQ(cat->entries[0].commit.tag, "good");
+  ExpectStored(fault.get(), DataFilePath("good", "v", 0, "n"), good);
+  bool failed_row = false;
+  for (const auto& r : engine.History()) failed_row |= r.outcome.rfind("failed", 0) == 0;
+  EXPECT_TRUE(failed_row);
+  // The failed version is still in memory and can be persisted again.
+  ASSERT_TRUE(engine.Persist("bad", "v").ok());
+  ASSERT_TRUE(engine.Flush(60).ok());
+  cat = ReadCatalog(fault.get());
+  ASSERT_TRUE(cat.ok());
+  EXPECT_EQ(cat->entries.size(), 2u);
+}
+
+}  // namespace
+}  // namespace nebulite

@@ -1,0 +1,60 @@
+// Path helpers shared by every driver: validation of components and joining.
+#include <string>
+
+#include "nebulite/storage.h"
+#include "storage/path_internal.h"
+
+namespace nebulite {
+
+Status ValidatePathComponent(const std::string& component, const char* what) {
+  auto bad = [&](const char* why) {
+    return Status::InvalidArgument(std::string(what) + " '" + component + "' " + why);
+  };
+  if (component.empty()) return bad("is empty");
+  if (component.size() > 255) return bad("is longer than 255 bytes");
+  if (component == "." || component == "..") return bad("is not a valid path component");
+  for (unsigned char c : component) {
+    if (c == '/' || c == '\\') return bad("contains a path separator");
+    if (c < 0x20 || c == 0x7F) return bad("contains a NUL or control byte");
+  }
+  return Status::OK();
+}
+
+std::string JoinPath(const std::string& a, const std::string& b) {
+  if (a.empty()) return b;
+  if (b.empty()) return a;
+  return a + "/" + b;
+}
+
+std::string ParentDir(const std::string& path) {
+  size_t pos = path.rfind('/');
+  if (pos == std::string::npos) return "";
+  return path.substr(0, pos);
+}
+
+}  // namespace nebulite
+
+namespace nebulite::internal {
+
+Status ValidateRelativePath(const std::string& path, const char* what, bool allow_root) {
+  if (path.empty()) {
+    if (allow_root) return Status::OK();
+    return Status::InvalidArgument(std::string(what) + " is empty");
+  }
+  size_t start = 0;
+  while (true) {
+    size_t slash = path.find('/', start);
+    std::string component =
+        path.substr(start, slash == std::string::npos ? std::string::npos : slash - start);
+    Status st = ValidatePathComponent(component, "path component");
+    if (!st.ok()) {
+      return Status::InvalidArgument(std::string(what) + " '" + path +
+                                     "' is invalid: " + st.message());
+    }
+    if (slash == std::string::npos) break;
+    start = slash + 1;
+  }
+  return Status::OK();
+}
+
+}  // namespace nebulite::internal

@@ -1,0 +1,164 @@
+// Posix-specific cases; the common behaviour is in storage_conformance_test.cc.
+#include <fcntl.h>
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <sys/mount.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
+#include <string>
+
+#include "nebulite/storage.h"
+
+namespace nebulite {
+namespace {
+
+class PosixStorageTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    const char* tmp = std::getenv("TMPDIR");
+    std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/nebulite-posix-XXXXXX";
+    ASSERT_NE(::mkdtemp(templ.data()), nullptr);
+    dir_ = templ;
+  }
+  void TearDown() override {
+    if (!mounted_.empty()) ::umount2(mounted_.c_str(), MNT_DETACH);
+    ::chmod(dir_.c_str(), 0755);
+    std::error_code ec;
+    std::filesystem::remove_all(dir_, ec);
+  }
+
+  // Mounts a small tmpfs at `path` (root only, and only where mounts are allowed).
+  bool MountTmpfs(const std::string& path, unsigned long flags, const char* options) {
+    ::mkdir(path.c_str(), 0755);
+    if (::mount("tmpfs", path.c_str(), "tmpfs", flags, options) != 0) return false;
+    mounted_ = path;
+    return true;
+  }
+
+  std::string dir_;
+  std::string mounted_;
+};
+
+TEST_F(PosixStorageTest, CreatesMissingRoot) {
+  auto s = OpenPosixStorage(dir_ + "/a/b/c");
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  struct stat st;
+  ASSERT_EQ(::stat((dir_ + "/a/b/c").c_str(), &st), 0);
+  EXPECT_TRUE(S_ISDIR(st.st_mode));
+  EXPECT_EQ((*s)->Describe(), "posix:" + dir_ + "/a/b/c");
+  // The writability probe leaves nothing behind.
+  auto names = (*s)->List("");
+  ASSERT_TRUE(names.ok());
+  EXPECT_TRUE(names->empty());
+}
+
+TEST_F(PosixStorageTest, RootUnderARegularFileFails) {
+  std::ofstream(dir_ + "/file") << "x";
+  auto s = OpenPosixStorage(dir_ + "/file/sub");
+  EXPECT_FALSE(s.ok());
+  auto f = OpenPosixStorage(dir_ + "/file");
+  ASSERT_FALSE(f.ok());
+  EXPECT_NE(f.status().message().find("not a directory"), std::string::npos)
+      << f.status().ToString();
+  EXPECT_EQ(OpenPosixStorage("").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(PosixStorageTest, UnwritableRootIsPermissionDenied) {
+  if (::geteuid() == 0) {
+    // Root ignores permission bits; a read-only mount is what it cannot write.
+    if (!MountTmpfs(dir_ + "/ro", MS_RDONLY, "size=64k")) {
+      GTEST_SKIP() << "running as root and cannot mount a read-only tmpfs: "
+                   << std::strerror(errno);
+    }
+    auto s = OpenPosixStorage(dir_ + "/ro");
+    ASSERT_FALSE(s.ok());
+    EXPECT_EQ(s.status().code(), StatusCode::kPermissionDenied) << s.status().ToString();
+    EXPECT_NE(s.status().message().find("not writable"), std::string::npos);
+    return;
+  }
+  ASSERT_EQ(::mkdir((dir_ + "/locked").c_str(), 0555), 0);
+  auto s = OpenPosixStorage(dir_ + "/locked");
+  ASSERT_FALSE(s.ok());
+  EXPECT_EQ(s.status().code(), StatusCode::kPermissionDenied) << s.status().ToString();
+  // A missing root below an unwritable directory cannot be created.
+  auto sub = OpenPosixStorage(dir_ + "/locked/sub");
+  ASSERT_FALSE(sub.ok());
+  EXPECT_EQ(sub.status().code(), StatusCode::kPermissionDenied) << sub.status().ToString();
+}
+
+TEST_F(PosixStorageTest, FullDeviceIsNoSpaceOnDevFull) {
+  // /dev/full fails every write with ENOSPC: reach it through a symlink in the store.
+  if (::access("/dev/full", W_OK) != 0) GTEST_SKIP() << "/dev/full is not available";
+  auto s = OpenPosixStorage(dir_ + "/root");
+  ASSERT_TRUE(s.ok());
+  ASSERT_EQ(::symlink("/dev/full", (dir_ + "/root/full").c_str()), 0);
+  auto f = (*s)->NewWritableFile("full", 0);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  Status st = (*f)->WriteAt(0, "hello", 5);
+  EXPECT_EQ(st.code(), StatusCode::kNoSpace) << st.ToString();
+  EXPECT_NE(st.message().find("full"), std::string::npos) << "the message names the path";
+  (void)(*f)->Close();
+}
+
+TEST_F(PosixStorageTest, FullFilesystemIsNoSpace) {
+  if (!MountTmpfs(dir_ + "/small", 0, "size=256k")) {
+    GTEST_SKIP() << "cannot mount a small tmpfs here (needs root and mount rights): "
+                 << std::strerror(errno);
+  }
+  auto s = OpenPosixStorage(dir_ + "/small");
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  // tmpfs refuses O_DIRECT (EINVAL): the driver silently uses buffered writes.
+  auto f = (*s)->NewWritableFile("t/v/rank0/big", 0);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  std::string chunk(64 * 1024, 'x');
+  Status st;
+  for (uint64_t off = 0; st.ok() && off < (4u << 20); off += chunk.size()) {
+    st = (*f)->WriteAt(off, chunk.data(), chunk.size());
+  }
+  EXPECT_EQ(st.code(), StatusCode::kNoSpace) << st.ToString();
+  (void)(*f)->Close();
+  Status atomic = (*s)->WriteFileAtomic("t/v/COMMITTED", std::string(1 << 20, 'm'));
+  EXPECT_EQ(atomic.code(), StatusCode::kNoSpace) << atomic.ToString();
+  // The failed atomic write leaves neither the target nor a temporary file.
+  auto names = (*s)->List("t/v");
+  ASSERT_TRUE(names.ok());
+  EXPECT_EQ(*names, (std::vector<std::string>{"rank0"}));
+}
+
+TEST_F(PosixStorageTest, DirectIoWritesLandOnDisk) {
+  // Whatever the filesystem under TMPDIR, aligned writes must read back intact.
+  auto s = OpenPosixStorage(dir_ + "/d", /*use_direct_io=*/true);
+  ASSERT_TRUE(s.ok());
+  void* p = nullptr;
+  ASSERT_EQ(::posix_memalign(&p, 4096, 3 * 4096), 0);
+  std::memset(p, 'z', 3 * 4096);
+  auto f = (*s)->NewWritableFile("f", 3 * 4096 + 3);
+  ASSERT_TRUE(f.ok());
+  ASSERT_TRUE((*f)->WriteAt(0, p, 3 * 4096).ok());
+  ASSERT_TRUE((*f)->WriteAt(3 * 4096, "end", 3).ok());
+  ASSERT_TRUE((*f)->Sync().ok());
+  ASSERT_TRUE((*f)->Close().ok());
+  std::free(p);
+  auto text = (*s)->ReadFile("f", 1 << 20);
+  ASSERT_TRUE(text.ok());
+  EXPECT_EQ(*text, std::string(3 * 4096, 'z') + "end");
+}
+
+TEST_F(PosixStorageTest, DeleteRecursivelyDoesNotFollowSymlinks) {
+  auto s = OpenPosixStorage(dir_ + "/root");
+  ASSERT_TRUE(s.ok());
+  std::filesystem::create_directories(dir_ + "/outside");
+  std::ofstream(dir_ + "/outside/precious") << "keep";
+  ASSERT_TRUE((*s)->CreateDirs("t/v").ok());
+  ASSERT_EQ(::symlink((dir_ + "/outside").c_str(), (dir_ + "/root/t/v/link").c_str()), 0);
+  ASSERT_TRUE((*s)->DeleteRecursively("t").ok());
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/outside/precious"));
+}
+
+}  // namespace
+}  // namespace nebulite

@@ -1,0 +1,354 @@
+// The conformance suite every Storage driver passes. A driver registers a factory in
+// kDrivers below; its special cases live in its own <driver>_test.cc.
+#include <gtest/gtest.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <functional>
+#include <memory>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "nebulite/fault_storage.h"
+#include "nebulite/storage.h"
+
+namespace nebulite {
+namespace {
+
+// Unwraps a Result in a test (Result has no const operator*, so `*F()` does not compile).
+template <typename T>
+T Val(Result<T> r) {
+  EXPECT_TRUE(r.ok()) << r.status().ToString();
+  return r.ok() ? std::move(r).value() : T{};
+}
+
+// A driver under test plus whatever keeps it alive.
+struct DriverInstance {
+  std::unique_ptr<Storage> base;     // for wrappers
+  std::unique_ptr<Storage> storage;  // the driver under test
+  std::string temp_dir;              // removed at the end, if set
+};
+
+struct Driver {
+  const char* name;
+  std::function<DriverInstance()> make;
+};
+
+std::string MakeTempDir() {
+  const char* tmp = std::getenv("TMPDIR");
+  std::string templ = std::string(tmp && *tmp ? tmp : "/tmp") + "/nebulite-storage-XXXXXX";
+  char* dir = ::mkdtemp(templ.data());
+  if (dir == nullptr) return "";
+  return dir;
+}
+
+DriverInstance MakePosix(bool direct) {
+  DriverInstance d;
+  d.temp_dir = MakeTempDir();
+  auto s = OpenPosixStorage(d.temp_dir + "/root", direct);
+  if (s.ok()) d.storage = std::move(s).value();
+  return d;
+}
+
+const Driver kDrivers[] = {
+    {"posix_direct", [] { return MakePosix(true); }},
+    {"posix_buffered", [] { return MakePosix(false); }},
+    {"memory",
+     [] {
+       return DriverInstance{nullptr, NewMemoryStorage(), ""};
+     }},
+    {"fault_over_memory",
+     [] {
+       DriverInstance d;
+       d.base = NewMemoryStorage();
+       d.storage = FaultStorage::Wrap(d.base.get());
+       return d;
+     }},
+};
+
+class StorageConformanceTest : public ::testing::TestWithParam<Driver> {
+ protected:
+  void SetUp() override {
+    instance_ = GetParam().make();
+    ASSERT_NE(instance_.storage, nullptr) << "cannot create driver " << GetParam().name;
+    s_ = instance_.storage.get();
+  }
+  void TearDown() override {
+    instance_.storage.reset();
+    instance_.base.reset();
+    if (!instance_.temp_dir.empty()) {
+      std::error_code ec;
+      std::filesystem::remove_all(instance_.temp_dir, ec);
+    }
+  }
+
+  // Writes a whole file through a WritableFile, synced and closed.
+  void Put(const std::string& path, const std::string& data) {
+    auto f = s_->NewWritableFile(path, data.size());
+    ASSERT_TRUE(f.ok()) << f.status().ToString();
+    ASSERT_TRUE((*f)->WriteAt(0, data.data(), data.size()).ok());
+    ASSERT_TRUE((*f)->Sync().ok());
+    ASSERT_TRUE((*f)->Close().ok());
+  }
+
+  std::string Get(const std::string& path) {
+    auto r = s_->ReadFile(path, 1 << 30);
+    EXPECT_TRUE(r.ok()) << path << ": " << r.status().ToString();
+    return r.ok() ? *r : std::string();
+  }
+
+  std::vector<std::string> Ls(const std::string& dir) {
+    auto r = s_->List(dir);
+    EXPECT_TRUE(r.ok()) << r.status().ToString();
+    return r.ok() ? *r : std::vector<std::string>{};
+  }
+
+  DriverInstance instance_;
+  Storage* s_ = nullptr;
+};
+
+std::string Pattern(size_t n, uint32_t seed) {
+  std::string s(n, '\0');
+  uint32_t x = seed * 2654435761u + 1;
+  for (size_t i = 0; i < n; ++i) {
+    x = x * 1103515245u + 12345u;
+    s[i] = static_cast<char>(x >> 24);
+  }
+  return s;
+}
+
+// A buffer aligned for O_DIRECT.
+struct AlignedBuffer {
+  explicit AlignedBuffer(size_t n) : size(n) {
+    ptr = static_cast<char*>(std::aligned_alloc(4096, (n + 4095) / 4096 * 4096));
+  }
+  ~AlignedBuffer() { std::free(ptr); }
+  char* ptr;
+  size_t size;
+};
+
+TEST_P(StorageConformanceTest, WriteReadRoundTrip) {
+  const std::string data = Pattern(10000, 1);
+  Put("a/b/c.bin", data);
+  EXPECT_EQ(Get("a/b/c.bin"), data);
+  auto size = s_->FileSize("a/b/c.bin");
+  ASSERT_TRUE(size.ok());
+  EXPECT_EQ(*size, data.size());
+  char buf[100];
+  auto n = s_->ReadAt("a/b/c.bin", 9950, sizeof(buf), buf);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 50u);  // short only at end of file
+  EXPECT_EQ(std::string(buf, 50), data.substr(9950));
+  n = s_->ReadAt("a/b/c.bin", 20000, sizeof(buf), buf);
+  ASSERT_TRUE(n.ok());
+  EXPECT_EQ(*n, 0u);
+  EXPECT_EQ(s_->FileSize("missing").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(s_->ReadFile("missing", 10).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(s_->ReadAt("missing", 0, 1, buf).status().code(), StatusCode::kNotFound);
+}
+
+TEST_P(StorageConformanceTest, NewWritableFileTruncates) {
+  Put("f", Pattern(5000, 2));
+  Put("f", "short");
+  EXPECT_EQ(Get("f"), "short");
+  Put("empty", "");
+  EXPECT_EQ(Get("empty"), "");
+}
+
+TEST_P(StorageConformanceTest, AlignedAndUnalignedWrites) {
+  // Aligned 4 KiB blocks (the O_DIRECT path), an unaligned tail, and unaligned pieces in
+  // the middle, written out of order.
+  const size_t total = 5 * 4096 + 1234;
+  const std::string expected = Pattern(total, 3);
+  AlignedBuffer buf(total);
+  std::memcpy(buf.ptr, expected.data(), total);
+  auto f = s_->NewWritableFile("x/aligned.bin", total);
+  ASSERT_TRUE(f.ok()) << f.status().ToString();
+  ASSERT_TRUE((*f)->WriteAt(2 * 4096, buf.ptr + 2 * 4096, 2 * 4096).ok());  // aligned
+  ASSERT_TRUE((*f)->WriteAt(5 * 4096, buf.ptr + 5 * 4096, 1234).ok());      // unaligned tail
+  ASSERT_TRUE((*f)->WriteAt(0, buf.ptr, 4096).ok());                        // aligned
+  ASSERT_TRUE((*f)->WriteAt(4096, buf.ptr + 4096, 100).ok());               // unaligned length
+  ASSERT_TRUE((*f)->WriteAt(4196, buf.ptr + 4196, 3996).ok());              // unaligned offset
+  ASSERT_TRUE((*f)->WriteAt(4 * 4096, buf.ptr + 4 * 4096, 4096).ok());      // aligned
+  ASSERT_TRUE((*f)->WriteAt(0, buf.ptr, 0).ok());                           // empty
+  ASSERT_TRUE((*f)->Sync().ok());
+  ASSERT_TRUE((*f)->Close().ok());
+  EXPECT_EQ(Val(s_->FileSize("x/aligned.bin")), total);  // exact size, no padding
+  EXPECT_TRUE(Get("x/aligned.bin") == expected);
+}
+
+TEST_P(StorageConformanceTest, ConcurrentWritesToDisjointRanges) {
+  const int kThreads = 8;
+  const size_t kChunk = 64 * 1024 + 4096;  // aligned chunks...
+  const size_t kTail = 777;                // ...and an unaligned piece per thread
+  const size_t total = kThreads * (kChunk + kTail);
+  const std::string expected = Pattern(total, 4);
+  AlignedBuffer buf(total);
+  std::memcpy(buf.ptr, expected.data(), total);
+  auto f = s_->NewWritableFile("concurrent.bin", total);
+  ASSERT_TRUE(f.ok());
+  WritableFile* file = f->get();
+  std::vector<std::thread> threads;
+  std::vector<Status> results(kThreads * 2);
+  for (int t = 0; t < kThreads; ++t) {
+    threads.emplace_back([&, t] {
+      // The aligned chunks first, the unaligned tails at the end of the file.
+      const size_t off = t * kChunk;
+      results[2 * t] = file->WriteAt(off, buf.ptr + off, kChunk);
+      const size_t tail = kThreads * kChunk + t * kTail;
+      results[2 * t + 1] = file->WriteAt(tail, buf.ptr + tail, kTail);
+    });
+  }
+  for (auto& th : threads) th.join();
+  for (const Status& st : results) EXPECT_TRUE(st.ok()) << st.ToString();
+  ASSERT_TRUE(file->Sync().ok());
+  ASSERT_TRUE(file->Close().ok());
+  EXPECT_TRUE(Get("concurrent.bin") == expected);
+}
+
+TEST_P(StorageConformanceTest, ListIsSortedAndMissingDirIsEmpty) {
+  Put("d/b", "1");
+  Put("d/a", "2");
+  Put("d/c/deep", "3");
+  Put("d/A", "4");
+  EXPECT_EQ(Ls("d"), (std::vector<std::string>{"A", "a", "b", "c"}));
+  EXPECT_EQ(Ls("d/c"), (std::vector<std::string>{"deep"}));
+  EXPECT_TRUE(Ls("nope").empty());
+  EXPECT_TRUE(Ls("d/nope/deeper").empty());
+  EXPECT_EQ(Ls(""), (std::vector<std::string>{"d"}));
+  ASSERT_TRUE(s_->CreateDirs("e/f").ok());
+  EXPECT_EQ(Ls(""), (std::vector<std::string>{"d", "e"}));
+  EXPECT_EQ(Ls("e"), (std::vector<std::string>{"f"}));
+  EXPECT_TRUE(Ls("e/f").empty());
+  ASSERT_TRUE(s_->CreateDirs("e/f").ok());  // idempotent
+  ASSERT_TRUE(s_->CreateDirs("").ok());
+  EXPECT_FALSE(s_->CreateDirs("d/b/under_a_file").ok());
+}
+
+TEST_P(StorageConformanceTest, Exists) {
+  EXPECT_FALSE(Val(s_->Exists("f")));
+  Put("dir/f", "x");
+  EXPECT_TRUE(Val(s_->Exists("dir/f")));
+  EXPECT_TRUE(Val(s_->Exists("dir")));
+  EXPECT_TRUE(Val(s_->Exists("")));
+  EXPECT_FALSE(Val(s_->Exists("dir/g")));
+  EXPECT_FALSE(Val(s_->Exists("dir/f/under_a_file")));
+}
+
+TEST_P(StorageConformanceTest, Rename) {
+  Put("r/a", "alpha");
+  Put("r/b", "beta");
+  ASSERT_TRUE(s_->Rename("r/a", "r/c").ok());
+  EXPECT_FALSE(Val(s_->Exists("r/a")));
+  EXPECT_EQ(Get("r/c"), "alpha");
+  ASSERT_TRUE(s_->Rename("r/c", "r/b").ok());  // replaces
+  EXPECT_EQ(Get("r/b"), "alpha");
+  EXPECT_EQ(Ls("r"), (std::vector<std::string>{"b"}));
+  EXPECT_EQ(s_->Rename("r/missing", "r/x").code(), StatusCode::kNotFound);
+  ASSERT_TRUE(s_->SyncDir("r").ok());
+  ASSERT_TRUE(s_->SyncDir("").ok());
+}
+
+TEST_P(StorageConformanceTest, DeleteIsIdempotent) {
+  Put("del/f", "x");
+  ASSERT_TRUE(s_->Delete("del/f").ok());
+  EXPECT_FALSE(Val(s_->Exists("del/f")));
+  EXPECT_TRUE(s_->Delete("del/f").ok());
+  EXPECT_TRUE(s_->Delete("never/was").ok());
+}
+
+TEST_P(StorageConformanceTest, DeleteRecursively) {
+  Put("t/v1/rank0/a", "a");
+  Put("t/v1/rank0/b", "b");
+  Put("t/v1/rank0.manifest", "m");
+  Put("t/v2/COMMITTED", "c");
+  Put("t/v10/keep", "k");  // a sibling sharing the prefix "t/v1"
+  ASSERT_TRUE(s_->DeleteRecursively("t/v1").ok());
+  EXPECT_FALSE(Val(s_->Exists("t/v1")));
+  EXPECT_FALSE(Val(s_->Exists("t/v1/rank0/a")));
+  EXPECT_EQ(Ls("t"), (std::vector<std::string>{"v10", "v2"}));
+  EXPECT_EQ(Get("t/v10/keep"), "k");
+  EXPECT_TRUE(s_->DeleteRecursively("t/v1").ok());                            // missing is OK
+  EXPECT_EQ(s_->DeleteRecursively("").code(), StatusCode::kInvalidArgument);  // never the root
+}
+
+TEST_P(StorageConformanceTest, WriteFileAtomicReplacesContent) {
+  ASSERT_TRUE(s_->WriteFileAtomic("m/COMMITTED", "first").ok());
+  EXPECT_EQ(Get("m/COMMITTED"), "first");
+  ASSERT_TRUE(s_->WriteFileAtomic("m/COMMITTED", "second, longer").ok());
+  EXPECT_EQ(Get("m/COMMITTED"), "second, longer");
+  ASSERT_TRUE(s_->WriteFileAtomic("m/COMMITTED", "").ok());
+  EXPECT_EQ(Get("m/COMMITTED"), "");
+  // No temporary file is left behind.
+  EXPECT_EQ(Ls("m"), (std::vector<std::string>{"COMMITTED"}));
+  const std::string long_name(255, 'n');
+  ASSERT_TRUE(s_->WriteFileAtomic("m/" + long_name, "x").ok());
+  EXPECT_EQ(Get("m/" + long_name), "x");
+}
+
+TEST_P(StorageConformanceTest, ReadFileMaxBytes) {
+  Put("big", std::string(100, 'x'));
+  EXPECT_TRUE(s_->ReadFile("big", 100).ok());
+  EXPECT_EQ(s_->ReadFile("big", 99).status().code(), StatusCode::kCorruption);
+  EXPECT_EQ(s_->ReadFile("big", 0).status().code(), StatusCode::kCorruption);
+}
+
+TEST_P(StorageConformanceTest, RejectsInvalidPaths) {
+  const std::string bad[] = {"",
+                             "/abs",
+                             "../x",
+                             "a/../b",
+                             "a//b",
+                             "a/",
+                             "./a",
+                             "a/.",
+                             "..",
+                             ".",
+                             "a\\b",
+                             std::string("a\0b", 3),
+                             std::string(256, 'x')};
+  for (const std::string& p : bad) {
+    SCOPED_TRACE(p);
+    EXPECT_EQ(s_->NewWritableFile(p, 0).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(s_->WriteFileAtomic(p, "x").code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(s_->ReadFile(p, 10).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(s_->Delete(p).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(s_->Rename("ok", p).code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ(s_->DeleteRecursively(p).code(), StatusCode::kInvalidArgument);
+    if (!p.empty()) {  // "" is the root for directory operations
+      EXPECT_EQ(s_->List(p).status().code(), StatusCode::kInvalidArgument);
+      EXPECT_EQ(s_->Exists(p).status().code(), StatusCode::kInvalidArgument);
+      EXPECT_EQ(s_->CreateDirs(p).code(), StatusCode::kInvalidArgument);
+      EXPECT_EQ(s_->SyncDir(p).code(), StatusCode::kInvalidArgument);
+    }
+  }
+  // Nothing escaped into the store.
+  EXPECT_TRUE(Ls("").empty());
+}
+
+TEST_P(StorageConformanceTest, NamesWithSpacesAndUnicode) {
+  const std::string name = "my file %20 \xC3\xA9t\xC3\xA9.bin";
+  Put("tag/" + name, "data");
+  EXPECT_EQ(Get("tag/" + name), "data");
+  EXPECT_EQ(Ls("tag"), (std::vector<std::string>{name}));
+}
+
+TEST_P(StorageConformanceTest, WriteAfterCloseFails) {
+  auto f = s_->NewWritableFile("closed", 0);
+  ASSERT_TRUE(f.ok());
+  ASSERT_TRUE((*f)->Close().ok());
+  EXPECT_FALSE((*f)->WriteAt(0, "x", 1).ok());
+  EXPECT_TRUE((*f)->Close().ok());  // idempotent
+}
+
+INSTANTIATE_TEST_SUITE_P(Drivers, StorageConformanceTest, ::testing::ValuesIn(kDrivers),
+                         [](const ::testing::TestParamInfo<Driver>& info) {
+                           return std::string(info.param.name);
+                         });
+
+}  // namespace
+}  // namespace nebulite

@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# Installs everything the demo and the tests need, idempotently:
+# Debian build packages, a virtual environment in .venv, and nebulite itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+need=()
+command -v g++ >/dev/null || need+=(g++)
+command -v make >/dev/null || need+=(make)
+[ -f /usr/include/zlib.h ] || need+=(zlib1g-dev)
+[ -d /usr/src/googletest ] || [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
+if [ ${#need[@]} -gt 0 ]; then
+  echo "setup: installing Debian packages: ${need[*]}"
+  SUDO=""
+  [ "$(id -u)" = 0 ] || SUDO=sudo
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${need[@]}"
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  echo "setup: creating .venv"
+  "$PY" -m venv .venv
+fi
+PIP=(.venv/bin/python -m pip install -q -c constraints.txt)
+stamp=.venv/.deps-$(sha1sum scripts/setup.sh constraints.txt | sha1sum | cut -c1-12)
+if [ ! -f "$stamp" ]; then
+  echo "setup: installing Python packages"
+  "${PIP[@]}" torch==2.13.0 numpy pytest hypothesis psutil transformers \
+    "nanobind>=2.0" "scikit-build-core>=0.10" cmake ninja
+  touch "$stamp"
+fi
+echo "setup: building nebulite"
+"${PIP[@]}" --no-build-isolation --no-deps .
