@@ -510,10 +510,6 @@ def test_concurrent_saves_from_threads(store):
             assert found.load("optim")["y"][0].item() == j
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: list_checkpoints() reports committed_unix_ns=0 for memory-tier entries "
-    "(engine.versions() carries no commit time); the same checkpoint read from the "
-    "store reports its real commit time"))
 def test_list_checkpoints_commit_time_in_memory_tier(store):
     import time
 
@@ -540,10 +536,6 @@ def test_latest_checkpoint_path_skips_memory_only_checkpoint(store):
     _assert_state(torch.load(path), 2)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a memory-tier handle of a persisted checkpoint cannot load once the session "
-    "is shut down or re-initialised elsewhere: Checkpoint.load looks in _session.root "
-    "instead of the handle's own root (c['root'])"))
 def test_memory_handle_loads_from_its_store_after_shutdown(store, tmp_path):
     nebulite.init(persistent_storage_path=store)
     nebulite.Checkpoint("t").save("model", _state(6))

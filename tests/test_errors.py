@@ -180,9 +180,6 @@ def test_unpicklable_save_then_retry_same_tag(store):
     assert latest.load("model")["step"] == 3
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: a failed save() leaves an empty open version of the tag in _Session.open; "
-    "a later commit() of that tag commits an empty checkpoint that becomes the latest"))
 def test_failed_save_then_commit_does_not_commit_empty_checkpoint(store):
     nebulite.init(persistent_storage_path=store)
     nebulite.Checkpoint("good").save("model", _state(1))

@@ -36,6 +36,7 @@ nb::dict VersionToDict(const VersionInfo& v) {
   d["tag"] = v.tag;
   d["version"] = v.version;
   d["seq"] = v.seq;
+  d["time_unix_ns"] = v.commit_unix_ns;
   d["in_memory"] = v.in_memory;
   d["persist_requested"] = v.persist_requested;
   d["persisted"] = v.persisted;
@@ -109,7 +110,7 @@ void RegisterEngine(nb::module_& m) {
           nb::arg("write_history") = true)
       .def("stage",
            [](Engine& e, const std::string& tag, const std::string& version, const std::string& name,
-              const std::vector<RecordArg>& records) {
+              const std::vector<RecordArg>& records, bool persist_now) {
              std::vector<SourceRecord> src;
              src.reserve(records.size());
              for (const auto& [n, ptr, size] : records)
@@ -117,11 +118,13 @@ void RegisterEngine(nb::module_& m) {
              Result<StageInfo> r = Status::Internal("unset");
              {
                nb::gil_scoped_release release;
-               r = e.Stage(tag, version, name, src);
+               r = e.Stage(tag, version, name, src, persist_now);
              }
              StageInfo info = ValueOrThrow(std::move(r));
              return std::make_tuple(info.bytes, info.blocking_seconds, info.streamed);
-           })
+           },
+           nb::arg("tag"), nb::arg("version"), nb::arg("name"), nb::arg("records"),
+           nb::arg("persist_now") = false)
       .def("must_persist", &Engine::MustPersist)
       .def("commit",
            [](Engine& e, const std::string& tag, const std::string& version, uint64_t seq, bool persist) {

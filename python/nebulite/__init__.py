@@ -37,6 +37,7 @@ from .errors import (
     PersistError,
     StorageError,
     StorageFullError,
+    StorageFullPersistError,
     StoragePermissionError,
     UnsupportedVersionError,
 )
@@ -56,6 +57,7 @@ __all__ = [
     "PersistError",
     "StorageError",
     "StorageFullError",
+    "StorageFullPersistError",
     "StoragePermissionError",
     "UnsupportedVersionError",
     "flush_persistence",

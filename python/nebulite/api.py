@@ -30,6 +30,7 @@ from .errors import (
     NotFoundError,
     NotInitializedError,
     PersistError,
+    StorageFullPersistError,
 )
 
 log = logging.getLogger("nebulite")
@@ -91,7 +92,8 @@ class _Session:
         if not errors:
             return
         text = "; ".join(f"{code}: {msg}" for code, msg in errors)
-        raise PersistError(f"background persistence failed: {text}", errors)
+        cls = StorageFullPersistError if any(c == "NoSpace" for c, _ in errors) else PersistError
+        raise cls(f"background persistence failed: {text}", errors)
 
 
 _session: _Session | None = None
@@ -201,11 +203,22 @@ class Checkpoint:
         with _lock:
             s = _require_session()
             s.raise_background_errors()
-            v = s.open.get(self.tag) or s.new_version(self.tag)
+            v = s.open.get(self.tag)
+            created = v is None
+            if v is None:
+                v = s.new_version(self.tag)
             if name in v.names:
                 raise InvalidArgumentError(f"{name!r} was already saved in checkpoint {self.tag!r}")
-            records = flatten(obj, tag=self.tag, name=name, rank=s.rank, version=v.version)
-            s.engine.stage(self.tag, v.version, name, records.records)
+            try:
+                records = flatten(obj, tag=self.tag, name=name, rank=s.rank, version=v.version)
+                # With an interval of 0 every checkpoint is persisted: start writing now.
+                persist_now = bool(s.root) and s.config.persistent_time_interval == 0
+                s.engine.stage(self.tag, v.version, name, records.records, persist_now)
+            except BaseException:
+                if created:  # nothing of this version was staged: forget it
+                    s.engine.abandon(self.tag, v.version)
+                    del s.open[self.tag]
+                raise
             del records
             v.names.append(name)
             if self.num_files > 0 and len(v.names) >= self.num_files:
@@ -270,10 +283,11 @@ class Checkpoint:
                     lease = None
                 if lease is not None:
                     return _load_from_lease(lease, c, name, map_location, weights_only)
-            # Not (or no longer) in this process's memory: try the store.
-            if s is None or not s.root:
+            # Not (or no longer) in this process's memory: try the store it belongs to.
+            root = c.get("root")
+            if not root:
                 raise NotFoundError(f"{name!r} of checkpoint {c['tag']!r} is not in memory")
-            stored = _find_committed(s.root, c["tag"], c["version"])
+            stored = _find_committed(root, c["tag"], c["version"])
             if stored is None:
                 raise NotFoundError(
                     f"{name!r} of checkpoint {c['tag']!r} left memory and is not persisted"
@@ -286,16 +300,13 @@ class Checkpoint:
 
 
 def _load_from_lease(lease: Any, c: dict[str, Any], name: str, map_location: Any, weights_only: bool) -> Any:
-    records = lease.records()
-    prefix = "archive/"
-    sizes = {n: size for n, _, size in records}
+    sizes = {n: size for n, _, size in lease.records()}
     source = ArchiveSource(
         sizes,
         read=lambda n: lease.read(n),
         read_into=lambda n, addr: lease.copy_to(n, addr),
         description=f"checkpoint {c['tag']!r} ({c['version']}) object {name!r} in memory",
     )
-    del prefix
     try:
         return load_archive(source, map_location, weights_only)
     finally:
@@ -322,18 +333,21 @@ def _load_from_store(c: dict[str, Any], name: str, map_location: Any, weights_on
     root = c["root"]
     rank = _session.rank if _session is not None else 0
     rel, _ = _locate(root, c, name, rank)
-    archive = _core.StoredArchive.open(root, rel)
-    prefix = archive.prefix + "/"
-    sizes = {n: size for n, _, size, _ in archive.records()}
     path = os.path.join(root, rel)
-    source = ArchiveSource(
-        sizes,
-        read=lambda n: archive.read(n),
-        read_into=lambda n, addr: archive.read_into(n, addr, 4),
-        description=path,
-    )
-    del prefix
-    return load_archive(source, map_location, weights_only)
+    try:
+        archive = _core.StoredArchive.open(root, rel)
+        sizes = {n: size for n, _, size, _ in archive.records()}
+        source = ArchiveSource(
+            sizes,
+            read=lambda n: archive.read(n),
+            read_into=lambda n, addr: archive.read_into(n, addr, 4),
+            description=path,
+        )
+        return load_archive(source, map_location, weights_only)
+    except CorruptCheckpointError as e:
+        if path in str(e):
+            raise
+        raise type(e)(f"{path}: {e}") from None
 
 
 def _verify(root: str, entry: dict[str, Any]) -> bool:
@@ -350,7 +364,8 @@ def _verify(root: str, entry: dict[str, Any]) -> bool:
                 _core.verify_data_file(root, path, name, size, crc)
     except (CorruptCheckpointError, NotFoundError, OSError) as e:
         warnings.warn(
-            f"nebulite: skipping damaged checkpoint {entry['tag']!r} ({entry['version']}): {e}",
+            f"nebulite: skipping damaged checkpoint {entry['tag']!r} "
+            f"({os.path.join(root, entry['tag'], entry['version'])}): {e}",
             stacklevel=4,
         )
         ok = False

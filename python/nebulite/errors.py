@@ -58,3 +58,7 @@ class PersistError(NebuliteError):
     def __init__(self, message: str, causes: list[tuple[str, str]] | None = None) -> None:
         super().__init__(message)
         self.causes = causes or []
+
+
+class StorageFullPersistError(PersistError, StorageFullError):
+    """Background persistence failed because the persistent store is full."""

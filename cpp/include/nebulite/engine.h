@@ -82,6 +82,7 @@ struct VersionInfo {
   std::string tag;
   std::string version;
   uint64_t seq = 0;
+  int64_t commit_unix_ns = 0;  // wall time of Commit()
   bool in_memory = false;      // every object of this rank is loadable from the arena
   bool persist_requested = false;
   bool persisted = false;      // this rank's files and manifest are durable
@@ -104,9 +105,12 @@ class Engine {
 
   // Copies the records into tier 1 as the data file of (tag, version, name, rank).
   // Returns once the bytes are sealed in memory (or, streamed, durable in the store).
+  // `persist_now`: the version will be persisted, so its data file may be written
+  // at once, before the version is committed (its manifest still waits for Commit).
   virtual Result<StageInfo> Stage(const std::string& tag, const std::string& version,
                                   const std::string& name,
-                                  const std::vector<SourceRecord>& records) = 0;
+                                  const std::vector<SourceRecord>& records,
+                                  bool persist_now = false) = 0;
   // True if some object of the version had to be streamed (it must be persisted).
   virtual bool MustPersist(const std::string& tag, const std::string& version) = 0;
   // Completes the version on this rank. `persist` queues it for the store.

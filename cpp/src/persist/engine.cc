@@ -48,6 +48,8 @@ struct ObjectState {
   ArenaBlock block;
   bool in_memory = false;
   bool streamed = false;       // already durable in the store
+  bool queued = false;         // a persist job for it is queued or running
+  bool written = false;        // its data file is durable (file is valid)
   uint64_t bytes = 0;
   double blocking_seconds = 0;
   ManifestFile file;           // filled once the data file is durable
@@ -66,6 +68,8 @@ struct VersionState {
   bool failure_flushed = false;  // a Flush() has returned this failure
   Status error;
   bool evicted = false;
+  bool abandoned = false;
+  int64_t commit_unix_ns = 0;
   int pins = 0;
 
   ObjectState* Find(const std::string& name) {
@@ -111,8 +115,8 @@ class EngineImpl : public Engine {
   ~EngineImpl() override { (void)Close(60); }
 
   Result<StageInfo> Stage(const std::string& tag, const std::string& version,
-                          const std::string& name,
-                          const std::vector<SourceRecord>& records) override {
+                          const std::string& name, const std::vector<SourceRecord>& records,
+                          bool persist_now) override {
     auto t0 = Clock::now();
     NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(tag, "tag"));
     NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(version, "version"));
@@ -161,8 +165,14 @@ class EngineImpl : public Engine {
     StageInfo info{obj->bytes, obj->blocking_seconds, obj->streamed};
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (obj->streamed) v->must_persist = true;
+      if (obj->streamed) {
+        obj->written = true;
+        v->must_persist = true;
+      }
+      ObjectState* o = obj.get();
       v->objects.push_back(std::move(obj));
+      // Start writing at once when the version is known to be persisted.
+      if (persist_now && storage_ && !o->written) EnqueueObjectLocked(v, o);
     }
     return info;
   }
@@ -186,7 +196,8 @@ class EngineImpl : public Engine {
     if (persist && !storage_) return Status::FailedPrecondition("no persistent path is set");
     v->committed = true;
     v->seq = seq;
-    if (persist) Enqueue(v);
+    v->commit_unix_ns = NowUnixNs();
+    if (persist) EnqueueVersionLocked(v);
     if (!persist) {
       for (auto& o : v->objects)
         history_.Append({tag, version, o->name, opts_.rank, o->bytes, o->blocking_seconds, 0,
@@ -203,10 +214,10 @@ class EngineImpl : public Engine {
     if (!storage_) return Status::FailedPrecondition("no persistent path is set");
     if (v->persist_requested && !v->failed) return Status::OK();
     for (auto& o : v->objects)
-      if (!o->in_memory && !o->streamed)
+      if (!o->in_memory && !o->written)
         return Status::NotFound("checkpoint '" + tag + "' was evicted from memory before it was persisted");
     v->failed = false;
-    Enqueue(v);
+    EnqueueVersionLocked(v);
     return Status::OK();
   }
 
@@ -259,7 +270,9 @@ class EngineImpl : public Engine {
     std::lock_guard<std::mutex> lock(mu_);
     auto v = FindLocked(tag, version);
     if (!v || v->committed) return;
-    for (auto& o : v->objects) ReleaseObjectLocked(o.get());
+    v->abandoned = true;  // queued jobs skip it and release what they hold
+    for (auto& o : v->objects)
+      if (!o->queued) ReleaseObjectLocked(o.get());
     versions_.remove(v);
   }
 
@@ -272,6 +285,7 @@ class EngineImpl : public Engine {
       i.tag = v->tag;
       i.version = v->version;
       i.seq = v->seq;
+      i.commit_unix_ns = v->commit_unix_ns;
       i.in_memory = !v->evicted;
       for (auto& o : v->objects) {
         if (!o->in_memory) i.in_memory = false;
@@ -350,9 +364,24 @@ class EngineImpl : public Engine {
     return v;
   }
 
-  void Enqueue(const std::shared_ptr<VersionState>& v) {
+  static int64_t NowUnixNs() {
+    return std::chrono::duration_cast<std::chrono::nanoseconds>(
+               std::chrono::system_clock::now().time_since_epoch())
+        .count();
+  }
+
+  void EnqueueObjectLocked(const std::shared_ptr<VersionState>& v, ObjectState* o) {
+    o->queued = true;
+    queue_.push_back({v, o});
+    cv_.notify_all();
+  }
+  // Queues the objects not yet written, then the job that finishes the version
+  // (manifest, commit). The single persister runs jobs in order.
+  void EnqueueVersionLocked(const std::shared_ptr<VersionState>& v) {
     v->persist_requested = true;
-    queue_.push_back(v);
+    for (auto& o : v->objects)
+      if (!o->written && !o->queued) EnqueueObjectLocked(v, o.get());
+    queue_.push_back({v, nullptr});
     cv_.notify_all();
   }
 
@@ -575,57 +604,92 @@ class EngineImpl : public Engine {
     while (true) {
       cv_.wait(lock, [&] { return closed_ || !queue_.empty(); });
       if (queue_.empty()) return;  // closed and drained
-      auto v = queue_.front();
+      Job job = queue_.front();
       queue_.pop_front();
+      auto& v = job.version;
+      if (v->failed || v->abandoned) {
+        if (job.object) {
+          job.object->queued = false;
+          if (v->abandoned) ReleaseObjectLocked(job.object);
+        }
+        continue;
+      }
       busy_ = true;
       ++v->pins;  // keep the memory while writing it
       lock.unlock();
-      Status st = PersistVersion(v.get());
+      Status st = job.object ? PersistOneObject(*v, job.object) : FinishVersion(v.get());
       lock.lock();
       --v->pins;
       busy_ = false;
+      if (job.object) {
+        job.object->queued = false;
+        if (st.ok()) job.object->written = true;
+        if (v->abandoned) ReleaseObjectLocked(job.object);
+      }
       if (!st.ok()) {
         v->failed = true;
         v->failure_flushed = false;
         v->error = st;
         ReportLocked(st.WithContext("persisting checkpoint '" + v->tag + "'"));
-        history_.Append({v->tag, v->version, "", opts_.rank, 0, 0, 0, "persistent", "failed: " + st.ToString()});
-      } else {
+        history_.Append({v->tag, v->version, job.object ? job.object->name : "", opts_.rank, 0, 0, 0,
+                         "persistent", "failed: " + st.ToString()});
+        // Free the space the partial files hold; they were never visible.
+        (void)storage_->DeleteRecursively(VersionDir(v->tag, v->version) + "/rank" +
+                                          std::to_string(opts_.rank));
+        for (auto& o : v->objects)
+          if (!o->streamed) o->written = false;
+      } else if (!job.object) {
         v->persisted = true;
-        if (opts_.world_size == 1) v->store_committed = true;
-        else if (opts_.rank == 0) coord_pending_.push_back({v, Clock::now()});
+        if (opts_.world_size == 1) {
+          v->store_committed = true;
+          // Retention runs after the commit is visible; its failure is reported
+          // but does not undo the commit.
+          lock.unlock();
+          Status rs = ApplyStoreRetention();
+          lock.lock();
+          if (!rs.ok()) ReportLocked(rs);
+        } else if (opts_.rank == 0) {
+          coord_pending_.push_back({v, Clock::now()});
+        }
       }
       ApplyMemoryRetentionLocked();
       cv_.notify_all();
     }
   }
 
-  Status PersistVersion(VersionState* v) {
+  Status PersistOneObject(const VersionState& v, ObjectState* o) {
+    if (!o->in_memory) return Status::NotFound("'" + o->name + "' left memory before it was persisted");
+    double secs = 0;
+    Status st = PersistObject(v, o, &secs);
+    history_.Append({v.tag, v.version, o->name, opts_.rank, o->bytes, o->blocking_seconds, secs,
+                     "persistent", st.ok() ? "persisted" : "failed: " + st.ToString()});
+    return st;
+  }
+
+  Status FinishVersion(VersionState* v) {
     Manifest m;
     m.tag = v->tag;
     m.version = v->version;
     m.rank = opts_.rank;
     m.world_size = opts_.world_size;
     for (auto& o : v->objects) {
-      double secs = 0;
-      if (!o->streamed) {
-        if (!o->in_memory) return Status::NotFound("'" + o->name + "' left memory before it was persisted");
-        Status st = PersistObject(*v, o.get(), &secs);
-        if (!st.ok()) {
-          history_.Append({v->tag, v->version, o->name, opts_.rank, o->bytes, o->blocking_seconds, secs,
-                           "persistent", "failed: " + st.ToString()});
-          // Free the space the partial files hold; they were never visible.
-          (void)storage_->DeleteRecursively(VersionDir(v->tag, v->version) + "/rank" +
-                                            std::to_string(opts_.rank));
-          return st;
-        }
-      }
-      history_.Append({v->tag, v->version, o->name, opts_.rank, o->bytes, o->blocking_seconds, secs,
-                       "persistent", o->streamed ? "streamed" : "persisted"});
+      if (!o->written) return Status::Internal("'" + o->name + "' was not written before its manifest");
+      if (o->streamed)
+        history_.Append({v->tag, v->version, o->name, opts_.rank, o->bytes, o->blocking_seconds, 0,
+                         "persistent", "streamed"});
       m.files.push_back(o->file);
     }
     NEBULITE_RETURN_IF_ERROR(WriteManifest(storage_.get(), m));
     if (opts_.rank == 0 && opts_.world_size == 1) return CommitInStore(v);
+    return Status::OK();
+  }
+
+  Status ApplyStoreRetention() {
+    if (opts_.retention == 0 || opts_.rank != 0) return Status::OK();
+    auto removed = ApplyRetention(storage_.get(), opts_.retention);
+    if (!removed.ok()) return removed.status().WithContext("retention");
+    for (auto& [tag, version] : *removed)
+      history_.Append({tag, version, "", opts_.rank, 0, 0, 0, "persistent", "deleted_by_retention"});
     return Status::OK();
   }
 
@@ -643,12 +707,6 @@ class EngineImpl : public Engine {
     for (auto& o : v->objects) total += o->bytes;
     history_.Append({v->tag, v->version, "", opts_.rank, total, 0, Seconds(t0, Clock::now()),
                      "persistent", "committed"});
-    if (opts_.retention > 0) {
-      auto removed = ApplyRetention(storage_.get(), opts_.retention);
-      if (!removed.ok()) return removed.status().WithContext("retention");
-      for (auto& [tag, version] : *removed)
-        history_.Append({tag, version, "", opts_.rank, 0, 0, 0, "persistent", "deleted_by_retention"});
-    }
     return Status::OK();
   }
 
@@ -668,6 +726,13 @@ class EngineImpl : public Engine {
         } else if (*all) {
           st = CommitInStore(v.get());
           done = st.ok();
+          if (done) {
+            Status rs = ApplyStoreRetention();
+            if (!rs.ok()) {
+              std::lock_guard<std::mutex> l3(mu_);
+              ReportLocked(rs);
+            }
+          }
         } else if (Seconds(since, Clock::now()) > opts_.commit_timeout_seconds) {
           st = Status::Cancelled("not every rank persisted checkpoint '" + v->tag + "' within " +
                                  std::to_string(opts_.commit_timeout_seconds) + " s");
@@ -704,7 +769,11 @@ class EngineImpl : public Engine {
   std::mutex mu_;
   std::condition_variable cv_;
   std::list<std::shared_ptr<VersionState>> versions_;           // GUARDED_BY(mu_)
-  std::deque<std::shared_ptr<VersionState>> queue_;             // GUARDED_BY(mu_)
+  struct Job {
+    std::shared_ptr<VersionState> version;
+    ObjectState* object;  // nullptr: finish the version (manifest, commit)
+  };
+  std::deque<Job> queue_;                                       // GUARDED_BY(mu_)
   std::vector<std::pair<std::shared_ptr<VersionState>, Clock::time_point>> coord_pending_;
   std::vector<Status> errors_;                                  // GUARDED_BY(mu_)
   uint64_t failures_ = 0;  // GUARDED_BY(mu_)

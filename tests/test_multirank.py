@@ -1,0 +1,187 @@
+"""Several ranks saving into one store: per-rank files, manifests, the commit marker,
+cross-rank loading, retention, and a rank that dies before it commits.
+
+Every rank runs in its own process (tests/workers/dist_worker.py) with the parent's
+environment, so the children import the same nebulite as the test.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import nebulite
+import nebulite.api
+from nebulite import _core
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "dist_worker.py")
+sys.path.insert(0, os.path.dirname(WORKER))
+import dist_worker  # noqa: E402  (expected values shared with the workers)
+
+TIMEOUT = 120
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(nebulite.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in [env.get("PYTHONPATH")] if p])
+    env["NEBULA_MEMORY_BUFFER_SIZE"] = str(32 * 1024 * 1024)  # per process; keep it small
+    env["OMP_NUM_THREADS"] = "1"
+    env.pop("NEBULITE_RUN_ID", None)
+    env.update(extra)
+    return env
+
+
+def _run_ranks(mode: str, store: str, world: int, *args: object, env: dict[str, str] | None = None) -> list[dict]:
+    """Starts `world` worker processes, waits for all; returns each rank's RESULT dict."""
+    port = _free_port()
+    env = env or _child_env()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, WORKER, mode, store, str(r), str(world), str(port), *map(str, args)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        )
+        for r in range(world)
+    ]
+    outs = []
+    try:
+        for p in procs:
+            outs.append(p.communicate(timeout=TIMEOUT))
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} exited {p.returncode}\nstdout:\n{out}\nstderr:\n{err[-4000:]}"
+        lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+        assert lines, f"rank {r} printed no result\nstdout:\n{out}\nstderr:\n{err[-4000:]}"
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results
+
+
+def _same(a, b) -> bool:
+    return dist_worker.same(a, b)
+
+
+def _assert_version_complete(store: str, tag: str, version: str, world: int) -> None:
+    vdir = os.path.join(store, tag, version)
+    assert os.path.isfile(os.path.join(vdir, "COMMITTED")), f"{tag}/{version} has no commit marker"
+    for r in range(world):
+        assert os.path.isfile(os.path.join(vdir, f"rank{r}.manifest")), f"{tag}/{version}: rank{r}.manifest missing"
+        m = _core.read_manifest(store, tag, version, r)
+        assert m["rank"] == r and m["world_size"] == world and m["tag"] == tag
+        names = [f[0] for f in m["files"]]
+        expected = [f"shard_rank{r}"] + (["model"] if r == 0 and "model" in names else [])
+        assert sorted(names) == sorted(expected), (r, names)
+        for name, size, crc in m["files"]:
+            rel = _core.data_file_path(tag, version, r, name)
+            assert os.path.isfile(os.path.join(store, rel))
+            _core.verify_data_file(store, rel, name, size, crc)
+
+
+def _assert_loadable(store: str, tag: str, world: int, step: int) -> None:
+    ck = nebulite.get_checkpoint(tag=tag, persist_path=store)
+    assert ck.tag == tag
+    for r in range(world):
+        assert _same(ck.load(f"shard_rank{r}"), dist_worker.shard(r, step)), (tag, r)
+    assert _same(ck.load("model"), dist_worker.model(step)), tag
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_ranks_save_commit_and_load_each_others_objects(store, world):
+    results = _run_ranks("dist", store, world, 3, 0)
+    assert [r["rank"] for r in results] == list(range(world))
+    for r in results:
+        assert r["loaded"] == ["t1", "t2", "t3"]  # the workers' own cross-rank loads passed
+
+    nebulite.api._reset_for_tests()
+    listed = nebulite.list_checkpoints(store)
+    assert [e["tag"] for e in listed] == ["t3", "t2", "t1"]  # newest commit first
+    assert all(e["tier"] == "persistent" and e["persisted"] for e in listed)
+    assert len({e["version"] for e in listed}) == 3
+    seqs = [e["seq"] for e in listed]
+    assert seqs == sorted(seqs, reverse=True) and len(set(seqs)) == 3
+    for e in listed:
+        assert sorted(e["names"]) == sorted(["model"] + [f"shard_rank{r}" for r in range(world)])
+        _assert_version_complete(store, e["tag"], e["version"], world)
+    for step, tag in enumerate(["t1", "t2", "t3"], start=1):
+        _assert_loadable(store, tag, world, step)
+
+    latest = nebulite.get_latest_checkpoint(persist_path=store)
+    assert latest.tag == "t3"
+    for r in range(world):
+        assert _same(latest.load(f"shard_rank{r}", map_location="cpu"), dist_worker.shard(r, 3))
+    # get_latest_checkpoint_path gives a real file of the newest committed version.
+    path = nebulite.get_latest_checkpoint_path("model", persist_path=store)
+    assert path.startswith(os.path.join(os.path.abspath(store), "t3") + os.sep) and os.path.isfile(path)
+
+
+def test_retention_across_two_ranks(store):
+    results = _run_ranks("dist", store, 2, 4, 2)
+    assert all(r["loaded"] == ["t1", "t2", "t3", "t4"] for r in results)
+
+    nebulite.api._reset_for_tests()
+    listed = nebulite.list_checkpoints(store)
+    assert [e["tag"] for e in listed] == ["t4", "t3"]
+    for e in listed:
+        _assert_version_complete(store, e["tag"], e["version"], 2)
+    _assert_loadable(store, "t3", 2, 3)
+    _assert_loadable(store, "t4", 2, 4)
+    # The retired tags have no commit marker left (it is deleted first) and are not loadable.
+    for tag in ("t1", "t2"):
+        tdir = os.path.join(store, tag)
+        if os.path.isdir(tdir):
+            for version in os.listdir(tdir):
+                assert not os.path.exists(os.path.join(tdir, version, "COMMITTED")), (tag, version)
+        assert nebulite.get_checkpoint(tag=tag, persist_path=store).tag == ""
+
+
+@pytest.fixture(scope="module")
+def rank_dies_run(tmp_path_factory):
+    """Two plain processes (explicit rank/world_size, no torch.distributed): both commit
+    and flush t1 and t2; rank 1 saves t3 and exits without committing it; rank 0 commits
+    t3 and flushes with a 3 s timeout (commit_timeout=2)."""
+    store = str(tmp_path_factory.mktemp("rank_dies") / "ckpt")
+    env = _child_env(NEBULITE_RUN_ID="rankdies01")
+    results = _run_ranks("plain", store, 2, env=env)
+    return store, results
+
+
+def test_tag_not_committed_when_a_rank_never_commits(rank_dies_run):
+    store, (r0, r1) = rank_dies_run
+    # Rank 0's flush does not hang: the coordinator gives up after commit_timeout and the
+    # failure surfaces from flush_persistence.
+    assert r0["flush_error"] is not None, "flush_persistence returned although t3 cannot be committed"
+    assert "PersistError" in r0["flush_error"] and "t3" in r0["flush_error"], r0["flush_error"]
+    assert r0["flush_seconds"] < 10
+    assert r0["shutdown_seconds"] < 10
+
+    nebulite.api._reset_for_tests()
+    tags = [e["tag"] for e in nebulite.list_checkpoints(store)]
+    assert tags == ["t2", "t1"]
+    t3 = os.path.join(store, "t3")
+    if os.path.isdir(t3):
+        for version in os.listdir(t3):
+            assert not os.path.exists(os.path.join(t3, version, "COMMITTED"))
+    latest = nebulite.get_latest_checkpoint(persist_path=store)
+    assert latest.tag == "t2"
+    for r in range(2):
+        assert _same(latest.load(f"shard_rank{r}"), dist_worker.shard(r, 2))
+    assert nebulite.get_checkpoint(tag="t3", persist_path=store).tag == ""
+    t1 = nebulite.get_checkpoint(tag="t1", persist_path=store)
+    for r in range(2):
+        assert _same(t1.load(f"shard_rank{r}"), dist_worker.shard(r, 1))

@@ -1,0 +1,134 @@
+"""Worker for tests/test_multirank.py: one rank of a multi-process nebulite run.
+
+Usage: dist_worker.py MODE STORE RANK WORLD PORT [ARGS...]
+
+Modes:
+  dist TAGS RETENTION  -- torch.distributed (gloo) run; every rank saves a rank-specific
+                          shard for each tag (rank 0 also "model"), commits, flushes and
+                          loads rank 0's "model" back through get_latest_checkpoint(STORE).
+  plain                -- no torch.distributed: nm.init(..., rank=R, world_size=2);
+                          both ranks commit and flush t1, t2; for t3 rank 1 saves and
+                          exits without committing, rank 0 commits and flushes with a timeout.
+Prints one JSON line "RESULT {...}" on success and exits 0.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+
+import torch
+
+import nebulite as nm
+
+
+def shard(rank: int, step: int) -> dict:
+    return {
+        "w": torch.full((64, 64), float(rank * 100 + step)),
+        "idx": torch.arange(32, dtype=torch.int64) + rank * 1000 + step,
+        "rank": rank,
+        "step": step,
+    }
+
+
+def model(step: int) -> dict:
+    return {"weight": torch.full((128, 32), float(step) + 0.5), "bias": torch.arange(16.0) * step}
+
+
+def same(a, b) -> bool:
+    if isinstance(a, torch.Tensor):
+        return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
+    if isinstance(a, dict):
+        return isinstance(b, dict) and a.keys() == b.keys() and all(same(a[k], b[k]) for k in a)
+    return a == b
+
+
+def run_dist(store: str, rank: int, world: int, port: int, ntags: int, retention: int) -> dict:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+    nm.init(persistent_storage_path=store, persistent_time_interval=0,
+            num_of_version_in_retention=retention, commit_timeout=60)
+    info = nm.session_info()
+    assert info["rank"] == rank and info["world_size"] == world, info
+    loaded = []
+    for step in range(1, ntags + 1):
+        tag = f"t{step}"
+        ck = nm.Checkpoint(tag, -2)
+        ck.save(f"shard_rank{rank}", shard(rank, step))
+        if rank == 0:
+            ck.save("model", model(step))
+        assert ck.commit() is True
+        # DeepSpeed-style: every rank loads rank 0's model straight after commit ...
+        latest = nm.get_latest_checkpoint(persist_path=store)
+        assert latest.tag == tag, (latest.tag, tag)
+        assert same(latest.load("model"), model(step)), f"rank {rank}: model of {tag} (memory)"
+        assert same(latest.load(f"shard_rank{rank}"), shard(rank, step))
+        # ... and after it was persisted and committed in the store.
+        nm.flush_persistence(timeout=60)
+        latest = nm.get_latest_checkpoint(persist_path=store)
+        assert latest.tag == tag, (latest.tag, tag)
+        assert same(latest.load("model"), model(step)), f"rank {rank}: model of {tag} (store)"
+        # Any rank's object is loadable by name from any rank.
+        for r in range(world):
+            assert same(latest.load(f"shard_rank{r}"), shard(r, step)), (rank, r, tag)
+        loaded.append(tag)
+    dist.barrier()
+    nm.shutdown()
+    dist.destroy_process_group()
+    return {"rank": rank, "loaded": loaded}
+
+
+def run_plain(store: str, rank: int) -> dict:
+    # The two processes agree on the run id through the environment (no collective).
+    nm.init(persistent_storage_path=store, persistent_time_interval=0,
+            num_of_version_in_retention=0, rank=rank, world_size=2, commit_timeout=2)
+    out: dict = {"rank": rank}
+    for step in (1, 2):
+        tag = f"t{step}"
+        ck = nm.Checkpoint(tag, -2)
+        ck.save(f"shard_rank{rank}", shard(rank, step))
+        assert ck.commit() is True
+        nm.flush_persistence(timeout=30)
+    if rank == 1:
+        ck = nm.Checkpoint("t3", -2)
+        ck.save("shard_rank1", shard(1, 3))
+        print("RESULT " + json.dumps(out), flush=True)
+        os._exit(0)  # dies without committing t3
+    ck = nm.Checkpoint("t3", -2)
+    ck.save("shard_rank0", shard(0, 3))
+    assert ck.commit() is True
+    t0 = time.monotonic()
+    try:
+        nm.flush_persistence(timeout=3)
+        out["flush_error"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out["flush_error"] = f"{type(e).__name__}: {e}"
+    out["flush_seconds"] = time.monotonic() - t0
+    out["latest_here"] = nm.get_latest_checkpoint(persist_path=store).tag
+    t0 = time.monotonic()
+    try:
+        nm.shutdown()
+        out["shutdown_error"] = None
+    except Exception as e:  # noqa: BLE001
+        out["shutdown_error"] = f"{type(e).__name__}: {e}"
+    out["shutdown_seconds"] = time.monotonic() - t0
+    return out
+
+
+def main() -> None:
+    mode, store, rank, world, port = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
+    if mode == "dist":
+        out = run_dist(store, rank, world, port, int(sys.argv[6]), int(sys.argv[7]))
+    elif mode == "plain":
+        out = run_plain(store, rank)
+    else:
+        raise SystemExit(f"unknown mode {mode}")
+    print("RESULT " + json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
