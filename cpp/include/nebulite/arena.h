@@ -1,6 +1,7 @@
-// Arena: the tier-1 memory budget. One shared-memory mapping (a memfd, so another
-// process can map it later) allocated once, pre-faulted in the background, and
-// reused for every save: no allocation per save.
+// Arena: the tier-1 memory budget. One mapping allocated once, pre-faulted in the
+// background, and reused for every save: no allocation per save. A shared arena is
+// a memfd that another process can map; a private one is anonymous memory backed by
+// transparent huge pages where the kernel allows, which faults several times faster.
 //
 // Allocations are 4 KiB-aligned ranges handed out first-fit. Reserve() waits for
 // space (back-pressure) until the deadline; a request larger than the whole
@@ -32,14 +33,15 @@ class Arena {
 
   // Maps `capacity` bytes (rounded up to 2 MiB). With `prefault`, a background
   // thread touches every page once so that later copies never fault.
-  static Result<std::unique_ptr<Arena>> Create(uint64_t capacity, bool prefault);
+  static Result<std::unique_ptr<Arena>> Create(uint64_t capacity, bool prefault,
+                                               bool shared = false);
   ~Arena();
   Arena(const Arena&) = delete;
   Arena& operator=(const Arena&) = delete;
 
   uint8_t* base() const { return base_; }
   uint64_t capacity() const { return capacity_; }
-  int fd() const { return fd_; }
+  int fd() const { return fd_; }  // -1 for a private arena
 
   // Reserves `size` bytes. If they do not fit now, calls `make_room` (which may
   // release blocks; it returns false when nothing more can be freed soon) and then

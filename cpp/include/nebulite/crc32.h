@@ -10,6 +10,9 @@ namespace nebulite {
 // Extends `crc` (0 for a fresh checksum) over `n` bytes at `data`.
 uint32_t Crc32(uint32_t crc, const void* data, size_t n);
 
+// The portable implementation (zlib), for tests and benchmarks of the fast path.
+uint32_t Crc32Zlib(uint32_t crc, const void* data, size_t n);
+
 // CRC of A||B given crc(A), crc(B) and len(B).
 uint32_t Crc32Combine(uint32_t crc_a, uint32_t crc_b, uint64_t len_b);
 

@@ -13,22 +13,29 @@ constexpr uint64_t kPrefaultStep = 64ull << 20;
 uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 }  // namespace
 
-Result<std::unique_ptr<Arena>> Arena::Create(uint64_t capacity, bool prefault) {
+Result<std::unique_ptr<Arena>> Arena::Create(uint64_t capacity, bool prefault, bool shared) {
   if (capacity == 0) return Status::InvalidArgument("arena capacity must be positive");
   if (capacity > (1ull << 46)) return Status::InvalidArgument("arena capacity is implausibly large");
   capacity = RoundUp(capacity, kMapGranule);
-  int fd = memfd_create("nebulite-arena", MFD_CLOEXEC);
-  if (fd < 0) return Status::FromErrno(errno, "memfd_create");
-  if (ftruncate(fd, static_cast<off_t>(capacity)) != 0) {
-    int err = errno;
-    close(fd);
-    return Status::FromErrno(err, "sizing the arena");
+  int fd = -1;
+  void* p = MAP_FAILED;
+  if (shared) {
+    fd = memfd_create("nebulite-arena", MFD_CLOEXEC);
+    if (fd < 0) return Status::FromErrno(errno, "memfd_create");
+    if (ftruncate(fd, static_cast<off_t>(capacity)) != 0) {
+      int err = errno;
+      close(fd);
+      return Status::FromErrno(err, "sizing the arena");
+    }
+    p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  } else {
+    p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_NORESERVE,
+             -1, 0);
   }
-  void* p = mmap(nullptr, capacity, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
   if (p == MAP_FAILED) {
     int err = errno;
-    close(fd);
-    return Status::FromErrno(err, "mapping the arena");
+    if (fd >= 0) close(fd);
+    return Status::FromErrno(err, "mapping the arena of " + std::to_string(capacity) + " bytes");
   }
   madvise(p, capacity, MADV_HUGEPAGE);  // best effort
   std::unique_ptr<Arena> arena(new Arena(static_cast<uint8_t*>(p), capacity, fd));
@@ -69,7 +76,7 @@ Arena::~Arena() {
   }
   if (prefault_thread_.joinable()) prefault_thread_.join();
   munmap(base_, capacity_);
-  close(fd_);
+  if (fd_ >= 0) close(fd_);
 }
 
 void Arena::WaitPrefaulted() {

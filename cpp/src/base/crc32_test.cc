@@ -58,3 +58,30 @@ TEST(Crc32Test, ParallelMatchesSerial) {
 
 }  // namespace
 }  // namespace nebulite
+
+namespace nebulite {
+namespace {
+
+TEST(Crc32FastPathTest, MatchesZlibOnEverySizeAndAlignment) {
+  std::vector<unsigned char> buf(70000);
+  uint32_t x = 12345;
+  for (auto& b : buf) {
+    x = x * 1103515245 + 12345;
+    b = static_cast<unsigned char>(x >> 16);
+  }
+  for (size_t off = 0; off < 17; ++off) {
+    for (size_t n : {0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 4096, 4097, 65536, 69000}) {
+      if (off + n > buf.size()) continue;
+      EXPECT_EQ(Crc32(0, buf.data() + off, n), Crc32Zlib(0, buf.data() + off, n)) << off << " " << n;
+      EXPECT_EQ(Crc32(0xDEADBEEF, buf.data() + off, n), Crc32Zlib(0xDEADBEEF, buf.data() + off, n));
+    }
+  }
+  // Incremental use across arbitrary splits equals one pass.
+  uint32_t whole = Crc32(0, buf.data(), buf.size());
+  uint32_t parts = Crc32(Crc32(Crc32(0, buf.data(), 100), buf.data() + 100, 33333),
+                         buf.data() + 33433, buf.size() - 33433);
+  EXPECT_EQ(whole, parts);
+}
+
+}  // namespace
+}  // namespace nebulite
