@@ -17,7 +17,7 @@ namespace nb = nanobind;
 namespace nebulite::python {
 namespace {
 
-using RecordArg = std::tuple<std::string, uintptr_t, uint64_t>;
+using RecordArg = std::tuple<std::string, uintptr_t, uint64_t, bool>;  // name, address, size, deferred
 
 CopyEngine& LoadCopier() {
   static CopyEngine* engine = new CopyEngine(0);  // lives for the process
@@ -113,19 +113,24 @@ void RegisterEngine(nb::module_& m) {
               const std::vector<RecordArg>& records, bool persist_now) {
              std::vector<SourceRecord> src;
              src.reserve(records.size());
-             for (const auto& [n, ptr, size] : records)
-               src.push_back({n, reinterpret_cast<const void*>(ptr), size});
+             for (const auto& [n, ptr, size, deferred] : records)
+               src.push_back({n, reinterpret_cast<const void*>(ptr), size, deferred});
              Result<StageInfo> r = Status::Internal("unset");
              {
                nb::gil_scoped_release release;
                r = e.Stage(tag, version, name, src, persist_now);
              }
              StageInfo info = ValueOrThrow(std::move(r));
-             return std::make_tuple(info.bytes, info.blocking_seconds, info.streamed);
+             return std::make_tuple(info.bytes, info.blocking_seconds, info.streamed, info.deferred);
            },
            nb::arg("tag"), nb::arg("version"), nb::arg("name"), nb::arg("records"),
            nb::arg("persist_now") = false)
       .def("must_persist", &Engine::MustPersist)
+      .def("wait_staged",
+           [](Engine& e) {
+             nb::gil_scoped_release release;
+             e.WaitStaged();
+           })
       .def("commit",
            [](Engine& e, const std::string& tag, const std::string& version, uint64_t seq, bool persist) {
              ThrowIfError(e.Commit(tag, version, seq, persist));

@@ -28,7 +28,11 @@ void ThrowIfError(const Status& st) {
   if (st.ok()) return;
   nb::object errors = nb::module_::import_("nebulite.errors");
   nb::object cls = errors.attr(ExceptionName(st.code()));
-  PyErr_SetString(cls.ptr(), st.message().c_str());
+  // Messages may quote untrusted bytes: never let decoding them fail.
+  const std::string& msg = st.message();
+  nb::object text = nb::steal(PyUnicode_DecodeUTF8(msg.data(), static_cast<Py_ssize_t>(msg.size()),
+                                                   "backslashreplace"));
+  PyErr_SetObject(cls.ptr(), text.ptr());
   throw nb::python_error();
 }
 

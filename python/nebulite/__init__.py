@@ -25,6 +25,7 @@ from .api import (
     list_checkpoints,
     session_info,
     shutdown,
+    wait_staged,
 )
 from .errors import (
     CorruptCheckpointError,
@@ -69,4 +70,5 @@ __all__ = [
     "list_checkpoints",
     "session_info",
     "shutdown",
+    "wait_staged",
 ]

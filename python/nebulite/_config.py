@@ -34,6 +34,7 @@ class Config:
     direct_io: bool = True
     prefault: bool = True
     commit_timeout: float = 600.0
+    async_staging: bool = False
     rank: int | None = None
     world_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -84,6 +85,10 @@ class Config:
         for key in ("direct_io", "prefault"):
             if key in more:
                 setattr(c, key, bool(more.pop(key)))
+        flag = more.pop("async_staging", None)
+        if flag is None:
+            flag = env.get("NEBULITE_ASYNC_STAGING", "0").lower() in ("1", "true", "yes", "on")
+        c.async_staging = bool(flag)
         if "commit_timeout" in more:
             c.commit_timeout = _parse_number("commit_timeout", more.pop("commit_timeout"), float)
         for key in ("rank", "world_size"):

@@ -21,6 +21,7 @@ from typing import Any, Callable
 
 import torch
 
+from . import _staging
 from .errors import InvalidArgumentError
 
 FORMAT_VERSION = 1
@@ -39,7 +40,8 @@ class RecordCollector:
     """Stands in for torch's zip writer; keeps what it is handed alive."""
 
     def __init__(self) -> None:
-        self.records: list[tuple[str, int, int]] = []
+        # (name, address, size, deferred): deferred bytes may be copied after save()
+        self.records: list[tuple[str, int, int, bool]] = []
         self._keep: list[Any] = []
         self.storage_bytes = 0
 
@@ -49,13 +51,14 @@ class RecordCollector:
         if isinstance(data, (bytes, bytearray)):
             data = bytes(data)
             self._keep.append(data)
-            self.records.append((name, _bytes_address(data), len(data)))
+            self.records.append((name, _bytes_address(data), len(data), False))
             return
         # An untyped storage (already on the CPU: _save moves others there).
         if data.device.type != "cpu":  # pragma: no cover - _save handles it
             data = data.cpu()
         self._keep.append(data)
-        self.records.append((name, int(data.data_ptr()), int(nbytes)))
+        ptr = int(data.data_ptr())
+        self.records.append((name, ptr, int(nbytes), _staging.deferrable(ptr, int(nbytes))))
         self.storage_bytes += int(nbytes)
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:  # pragma: no cover
@@ -63,6 +66,10 @@ class RecordCollector:
 
     def add_bytes(self, name: str, data: bytes) -> None:
         self.write_record(name, data, len(data))
+
+    @property
+    def deferred(self) -> bool:
+        return any(r[3] for r in self.records)
 
 
 def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str) -> RecordCollector:
@@ -89,10 +96,10 @@ def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str) -> Record
     collector.add_bytes(INDEX_RECORD, json.dumps(index, sort_keys=True).encode())
     # torch records its own payload alignment; ours is 4 KiB.
     alignment = str(STORAGE_ALIGNMENT).encode()
-    for i, (n, _, _) in enumerate(collector.records):
+    for i, (n, _, _, _) in enumerate(collector.records):
         if n == ".storage_alignment":
             collector._keep.append(alignment)
-            collector.records[i] = (n, _bytes_address(alignment), len(alignment))
+            collector.records[i] = (n, _bytes_address(alignment), len(alignment), False)
     return collector
 
 

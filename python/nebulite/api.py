@@ -19,7 +19,7 @@ import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from . import _core, _dist
+from . import _core, _dist, _staging
 from ._config import Config
 from ._serialization import ArchiveSource, flatten, load_archive
 from .errors import (
@@ -70,6 +70,7 @@ class _Session:
             commit_timeout=config.commit_timeout,
         )
         self.counter = 0
+        self.pending: list[Any] = []  # record sets whose deferred copies may be running
         self.open: dict[str, _OpenVersion] = {}
         self.last_persist: float | None = None
         self.seq = 0
@@ -86,6 +87,12 @@ class _Session:
         v = _OpenVersion(tag, f"v{self.run_id}-{self.counter:06d}")
         self.open[tag] = v
         return v
+
+    def wait_staged(self) -> None:
+        """Blocks until deferred copies have landed, then lets their sources go."""
+        if self.pending:
+            self.engine.wait_staged()
+            self.pending.clear()
 
     def raise_background_errors(self) -> None:
         errors = self.engine.take_errors()
@@ -124,7 +131,9 @@ def init(
         num_of_version_in_retention: committed versions kept (default 2; 0 keeps all).
         **more: ``memory_buffer_size`` (bytes; default ``$NEBULA_MEMORY_BUFFER_SIZE``,
             else a quarter of RAM), ``io_threads``, ``copy_threads``, ``direct_io``,
-            ``prefault``, ``commit_timeout`` (seconds), ``rank``, ``world_size``.
+            ``prefault``, ``commit_timeout`` (seconds), ``rank``, ``world_size``,
+            ``async_staging`` (default ``$NEBULITE_ASYNC_STAGING``, else False: copy
+            parameters and optimizer state after save() returns; see nebulite._staging).
 
     Calling init() again drains the previous configuration's pending work first.
     """
@@ -136,7 +145,10 @@ def init(
         if _session is not None:
             old, _session = _session, None
             old.engine.close(config.commit_timeout)
+            _staging.disable()
         _session = _Session(config)
+        if config.async_staging:
+            _staging.enable(_session.wait_staged)
 
 
 def _shutdown() -> None:
@@ -147,6 +159,7 @@ def _shutdown() -> None:
                 _session.engine.close(_session.config.commit_timeout)
             except NebuliteError as e:  # pragma: no cover - reported at exit
                 log.error("nebulite: pending checkpoints could not be persisted: %s", e)
+            _staging.disable()
             _session = None
 
 
@@ -211,6 +224,8 @@ class Checkpoint:
                 raise InvalidArgumentError(f"{name!r} was already saved in checkpoint {self.tag!r}")
             try:
                 records = flatten(obj, tag=self.tag, name=name, rank=s.rank, version=v.version)
+                if records.deferred:
+                    s.pending.append(records)  # the sources stay alive until staged
                 # With an interval of 0 every checkpoint is persisted: start writing now.
                 persist_now = bool(s.root) and s.config.persistent_time_interval == 0
                 s.engine.stage(self.tag, v.version, name, records.records, persist_now)
@@ -515,6 +530,15 @@ def flush_persistence(timeout: float | None = None) -> None:
         s.raise_background_errors()
 
 
+def wait_staged() -> None:
+    """Blocks until every save's bytes are in the memory tier. Only needed with
+    ``async_staging=True`` before changing saved tensors other than through
+    ``optimizer.step()`` (which waits by itself)."""
+    with _lock:
+        if _session is not None:
+            _session.wait_staged()
+
+
 def history() -> list[dict[str, Any]]:
     """The rows this process added to checkpointHistories.csv (also without a store)."""
     return list(_require_session().engine.history())
@@ -554,4 +578,5 @@ __all__ = [
     "init",
     "list_checkpoints",
     "shutdown",
+    "wait_staged",
 ]

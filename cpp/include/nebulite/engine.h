@@ -55,12 +55,16 @@ struct SourceRecord {
   std::string name;  // record name in the archive, e.g. "data.pkl", "data/0"
   const void* data;
   uint64_t size;
+  // The caller guarantees these bytes stay unchanged until WaitStaged() returns, so
+  // they may be copied in the background after Stage() returns.
+  bool deferred = false;
 };
 
 struct StageInfo {
   uint64_t bytes = 0;             // size of the data file
   double blocking_seconds = 0;    // time spent in Stage()
   bool streamed = false;          // written through to the store instead of kept in memory
+  bool deferred = false;          // some bytes are still being copied in the background
 };
 
 struct RecordRef {
@@ -111,6 +115,9 @@ class Engine {
                                   const std::string& name,
                                   const std::vector<SourceRecord>& records,
                                   bool persist_now = false) = 0;
+  // Waits until every deferred copy has landed in the arena; the sources of deferred
+  // records may change after it returns.
+  virtual void WaitStaged() = 0;
   // True if some object of the version had to be streamed (it must be persisted).
   virtual bool MustPersist(const std::string& tag, const std::string& version) = 0;
   // Completes the version on this rank. `persist` queues it for the store.

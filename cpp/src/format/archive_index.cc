@@ -14,6 +14,7 @@
 #include <unordered_set>
 #include <vector>
 
+#include "base/utf8.h"
 #include "format/zip.h"
 #include "nebulite/format.h"
 
@@ -265,6 +266,7 @@ Result<ArchiveIndex> ArchiveIndex::Parse(uint64_t file_size, const ReadAtFn& rea
     if (full.find('\0') != std::string::npos) {
       return Status::Corruption("record name contains a NUL byte");
     }
+    if (!IsValidUtf8(full)) return Status::Corruption("record name is not valid UTF-8");
     if (full.size() - slash - 1 > kMaxRecordNameLength) {
       return Status::Corruption("record name longer than " + std::to_string(kMaxRecordNameLength) +
                                 " bytes");

@@ -48,6 +48,7 @@ struct ObjectState {
   ArenaBlock block;
   bool in_memory = false;
   bool streamed = false;       // already durable in the store
+  bool sealed = true;          // every byte is in the arena (false while a deferred copy runs)
   bool queued = false;         // a persist job for it is queued or running
   bool written = false;        // its data file is durable (file is valid)
   uint64_t bytes = 0;
@@ -107,6 +108,7 @@ class EngineImpl : public Engine {
         io_(opts_.io_threads > 0 ? opts_.io_threads : 4),
         history_(storage_ && opts_.write_history && !opts_.storage_override ? opts_.persist_root
                                                                             : std::string()) {
+    stager_ = std::thread([this] { StagerLoop(); });
     if (storage_) persister_ = std::thread([this] { PersisterLoop(); });
     if (storage_ && opts_.rank == 0 && opts_.world_size > 1)
       coordinator_ = std::thread([this] { CoordinatorLoop(); });
@@ -148,11 +150,12 @@ class EngineImpl : public Engine {
     for (const auto& p : layout.records()) obj->refs.push_back({p.name, p.data_offset, p.size});
     obj->layout = std::move(layout);
 
+    std::vector<CopySpan> deferred;
     auto block = ReserveForImage(obj->layout.file_size());
     if (block.ok()) {
       obj->block = *block;
       obj->in_memory = true;
-      FillImage(obj.get(), records);
+      deferred = FillImage(obj.get(), records);
     } else if (block.status().code() == StatusCode::kResourceExhausted && storage_) {
       NEBULITE_RETURN_IF_ERROR(StreamObject(tag, version, obj.get(), records));
     } else {
@@ -162,7 +165,7 @@ class EngineImpl : public Engine {
                                           "in the memory budget NEBULA_MEMORY_BUFFER_SIZE)");
     }
     obj->blocking_seconds = Seconds(t0, Clock::now());
-    StageInfo info{obj->bytes, obj->blocking_seconds, obj->streamed};
+    StageInfo info{obj->bytes, obj->blocking_seconds, obj->streamed, !deferred.empty()};
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (obj->streamed) {
@@ -171,6 +174,12 @@ class EngineImpl : public Engine {
       }
       ObjectState* o = obj.get();
       v->objects.push_back(std::move(obj));
+      if (!deferred.empty()) {
+        o->sealed = false;
+        ++v->pins;  // released by the stager once the copy has landed
+        stage_queue_.push_back({v, o, std::move(deferred)});
+        stage_cv_.notify_all();
+      }
       // Start writing at once when the version is known to be persisted.
       if (persist_now && storage_ && !o->written) EnqueueObjectLocked(v, o);
     }
@@ -272,7 +281,7 @@ class EngineImpl : public Engine {
     if (!v || v->committed) return;
     v->abandoned = true;  // queued jobs skip it and release what they hold
     for (auto& o : v->objects)
-      if (!o->queued) ReleaseObjectLocked(o.get());
+      if (!o->queued && o->sealed) ReleaseObjectLocked(o.get());
     versions_.remove(v);
   }
 
@@ -302,13 +311,14 @@ class EngineImpl : public Engine {
 
   Result<std::shared_ptr<ObjectLease>> Pin(const std::string& tag, const std::string& version,
                                            const std::string& name) override {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
     auto v = FindLocked(tag, version);
     if (!v) return Status::NotFound("version " + version + " of '" + tag + "' is not in memory");
     ObjectState* o = v->Find(name);
     if (!o) return Status::NotFound("'" + name + "' is not in checkpoint '" + tag + "'");
     if (!o->in_memory) return Status::NotFound("'" + name + "' of '" + tag + "' is not in memory");
     ++v->pins;
+    WaitSealedLocked(lock, o);
     return std::shared_ptr<ObjectLease>(
         new LeaseImpl(this, v, arena_->base() + o->block.offset, &o->refs));
   }
@@ -342,6 +352,13 @@ class EngineImpl : public Engine {
       std::lock_guard<std::mutex> lock(mu_);
       closed_ = true;
     }
+    WaitStaged();
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      stager_stop_ = true;
+    }
+    stage_cv_.notify_all();
+    if (stager_.joinable()) stager_.join();
     cv_.notify_all();
     if (persister_.joinable()) persister_.join();
     if (coordinator_.joinable()) coordinator_.join();
@@ -470,17 +487,51 @@ class EngineImpl : public Engine {
   }
 
   // Lays the image out in the arena: local headers (CRC 0 until persisted) and payloads.
-  void FillImage(ObjectState* o, const std::vector<SourceRecord>& records) {
+  // Copies the records now, except deferred ones, whose spans it returns.
+  std::vector<CopySpan> FillImage(ObjectState* o, const std::vector<SourceRecord>& records) {
     uint8_t* image = arena_->base() + o->block.offset;
     const auto& place = o->layout.records();
-    std::vector<CopySpan> spans;
-    spans.reserve(records.size());
+    std::vector<CopySpan> now, later;
+    now.reserve(records.size());
     for (size_t i = 0; i < place.size(); ++i) {
       std::string h = o->layout.LocalHeader(i, 0);
       std::memcpy(image + place[i].header_offset, h.data(), h.size());
-      if (place[i].size) spans.push_back({image + place[i].data_offset, records[i].data, place[i].size});
+      if (place[i].size == 0) continue;
+      CopySpan span{image + place[i].data_offset, records[i].data, place[i].size};
+      (records[i].deferred ? later : now).push_back(span);
     }
-    copy_.Copy(spans);
+    copy_.Copy(now);
+    return later;
+  }
+
+  // Copies deferred records in the background, in the order they were staged.
+  void StagerLoop() {
+    std::unique_lock<std::mutex> lock(mu_);
+    while (true) {
+      stage_cv_.wait(lock, [&] { return stager_stop_ || !stage_queue_.empty(); });
+      if (stage_queue_.empty()) return;
+      StageJob job = std::move(stage_queue_.front());
+      stage_queue_.pop_front();
+      stage_busy_ = true;
+      lock.unlock();
+      copy_.Copy(job.spans);
+      lock.lock();
+      stage_busy_ = false;
+      job.object->sealed = true;
+      --job.version->pins;
+      if (job.version->abandoned && !job.object->queued) ReleaseObjectLocked(job.object);
+      stage_cv_.notify_all();
+      cv_.notify_all();
+    }
+  }
+
+  void WaitStaged() override {
+    std::unique_lock<std::mutex> lock(mu_);
+    stage_cv_.wait(lock, [&] { return stage_queue_.empty() && !stage_busy_; });
+  }
+
+  void WaitSealedLocked(std::unique_lock<std::mutex>& lock, const ObjectState* o) {
+    stage_cv_.wait(lock, [&] { return o->sealed; });
   }
 
   // Writes an image that does not fit in memory through a bounded window of the arena.
@@ -616,6 +667,7 @@ class EngineImpl : public Engine {
       }
       busy_ = true;
       ++v->pins;  // keep the memory while writing it
+      if (job.object) WaitSealedLocked(lock, job.object);
       lock.unlock();
       Status st = job.object ? PersistOneObject(*v, job.object) : FinishVersion(v.get());
       lock.lock();
@@ -779,7 +831,15 @@ class EngineImpl : public Engine {
   uint64_t failures_ = 0;  // GUARDED_BY(mu_)
   bool busy_ = false;
   bool closed_ = false;
-  std::thread persister_, coordinator_;
+  struct StageJob {
+    std::shared_ptr<VersionState> version;
+    ObjectState* object;
+    std::vector<CopySpan> spans;
+  };
+  std::condition_variable stage_cv_;
+  std::deque<StageJob> stage_queue_;  // GUARDED_BY(mu_)
+  bool stage_busy_ = false, stager_stop_ = false;
+  std::thread stager_, persister_, coordinator_;
 };
 
 LeaseImpl::~LeaseImpl() { engine_->Unpin(version_.get()); }

@@ -1,6 +1,7 @@
 // Path helpers shared by every driver: validation of components and joining.
 #include <string>
 
+#include "base/utf8.h"
 #include "nebulite/storage.h"
 #include "storage/path_internal.h"
 
@@ -17,6 +18,7 @@ Status ValidatePathComponent(const std::string& component, const char* what) {
     if (c == '/' || c == '\\') return bad("contains a path separator");
     if (c < 0x20 || c == 0x7F) return bad("contains a NUL or control byte");
   }
+  if (!IsValidUtf8(component)) return bad("is not valid UTF-8");
   return Status::OK();
 }
 

@@ -1,0 +1,115 @@
+"""init(async_staging=True): saves return before the bytes are copied, yet every
+checkpoint holds exactly the state at save() time."""
+
+from __future__ import annotations
+
+import torch
+
+import nebulite as nm
+from nebulite import _staging
+from nebulite._serialization import flatten
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(
+        torch.nn.Linear(512, 1024), torch.nn.BatchNorm1d(1024), torch.nn.Linear(1024, 512)
+    )
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    return model, opt
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model.train()
+    model(torch.randn(8, 512)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def _clone(state: dict) -> dict:
+    return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
+
+
+def test_only_large_optimizer_managed_storages_are_deferred(store):
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _model()
+    before = flatten(model.state_dict(), tag="t", name="m", rank=0, version="v")
+    assert not before.deferred  # no optimizer has stepped yet: nothing is known to be safe
+    _step(model, opt)
+    records = flatten(model.state_dict(), tag="t", name="m", rank=0, version="v")
+    deferred = {name for name, _, size, d in records.records if d}
+    assert deferred, "the 2 MiB weight matrices should be deferred"
+    for name, ptr, size, d in records.records:
+        if d:
+            assert size >= _staging.MIN_DEFERRED_BYTES
+    # BatchNorm statistics change in forward: never deferred.
+    bn_ptrs = {model[1].running_mean.untyped_storage().data_ptr(),
+               model[1].running_var.untyped_storage().data_ptr()}
+    assert not any(d and ptr in bn_ptrs for _, ptr, _, d in records.records)
+
+
+def test_checkpoints_hold_the_state_at_save_time(store):
+    nm.init(persistent_storage_path=store, async_staging=True, persistent_time_interval=0,
+            num_of_version_in_retention=0)
+    model, opt = _model()
+    _step(model, opt)
+    expected = {}
+    for k in range(4):
+        ckpt = nm.Checkpoint(f"step{k}", 2)
+        ckpt.save("model", model.state_dict())
+        ckpt.save("optimizer", opt.state_dict())
+        expected[k] = _clone(model.state_dict())
+        # Training goes on at once: forward changes BatchNorm buffers, step() the weights.
+        _step(model, opt)
+    for k, state in expected.items():
+        got = nm.get_checkpoint(tag=f"step{k}").load("model")
+        for name, t in state.items():
+            assert torch.equal(got[name], t), (k, name)
+    nm.flush_persistence()
+    nm.api._reset_for_tests()
+    got = nm.get_latest_checkpoint(persist_path=store).load("model")
+    for name, t in expected[3].items():
+        assert torch.equal(got[name], t), name
+
+
+def test_wait_staged_allows_direct_changes(store):
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _model()
+    _step(model, opt)
+    nm.Checkpoint("a").save("model", model.state_dict())
+    saved = _clone(model.state_dict())
+    nm.wait_staged()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.zero_()  # a change outside optimizer.step(), after the explicit barrier
+    got = nm.get_latest_checkpoint().load("model")
+    for name, t in saved.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_disabled_by_default_and_hook_removed_on_shutdown(store):
+    nm.init(persistent_storage_path=store)
+    assert not _staging.enabled()
+    nm.init(persistent_storage_path=store, async_staging=True)
+    assert _staging.enabled()
+    nm.shutdown()
+    assert not _staging.enabled()
+
+
+def test_optimizer_step_right_after_save_waits_for_the_copy(store):
+    """A step that starts the instant save() returns must not tear the checkpoint."""
+    nm.init(persistent_storage_path=store, async_staging=True, num_of_version_in_retention=0)
+    torch.manual_seed(1)
+    model = torch.nn.Sequential(torch.nn.Linear(2048, 4096), torch.nn.Linear(4096, 2048))
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    model(torch.randn(4, 2048)).square().mean().backward()  # gradients stay for every step
+    opt.step()
+    expected = {}
+    for k in range(3):
+        expected[k] = _clone(model.state_dict())
+        nm.Checkpoint(f"s{k}").save("model", model.state_dict())
+        opt.step()  # changes every weight in place, immediately
+    for k, state in expected.items():
+        got = nm.get_checkpoint(tag=f"s{k}").load("model")
+        for name, t in state.items():
+            assert torch.equal(got[name], t), (k, name)
