@@ -179,9 +179,9 @@ def _check_after_kill(store: str, run: Run, *, lowest: int | None, highest: int 
 
 
 def _bounds_from_progress(run: Run) -> tuple[int | None, int | None]:
-    """What the child's output allows: at least the last flushed step (it returned, so
-    it is committed in the store), at most one past the last step reported committed
-    (the kill may land between commit() returning and the line being printed)."""
+    """What the child's output allows: at least the last flushed step (flush returned, so
+    it is committed in the store), at most the last step reported saved (a step is only
+    committed after its "saved" line)."""
     flushed, saved = run.last("flushed"), run.last("saved")
     return flushed, saved
 
@@ -256,10 +256,7 @@ def test_restart_after_crash_keeps_saving_into_the_same_path(store):
     listed = _check_store(store)
     assert [_step_of(e["tag"]) for e in listed] == [last, last - 1, last - 2]  # retention 3
     assert _latest_step(store) == last
-    old_versions = set()
-    for e in listed:
-        old_versions.add(e["version"])
-    assert len(old_versions) == 3
+    assert len({e["version"] for e in listed}) == 3
 
     # And a fresh process finds and loads the new latest.
     code = (
