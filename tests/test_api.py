@@ -545,3 +545,12 @@ def test_memory_handle_loads_from_its_store_after_shutdown(store, tmp_path):
     _assert_state(handle.load("model"), 6)
     nebulite.shutdown()
     _assert_state(handle.load("model"), 6)
+
+
+def test_explicit_world_without_distributed_needs_a_shared_run_id(store, monkeypatch):
+    monkeypatch.delenv("NEBULITE_RUN_ID", raising=False)
+    with pytest.raises(nebulite.InvalidArgumentError, match="NEBULITE_RUN_ID"):
+        nebulite.init(persistent_storage_path=store, rank=0, world_size=2)
+    monkeypatch.setenv("NEBULITE_RUN_ID", "job42")
+    nebulite.init(persistent_storage_path=store, rank=0, world_size=2)
+    assert nebulite.session_info()["run_id"] == "job42"

@@ -143,9 +143,8 @@ def test_ranks_save_commit_and_load_each_others_objects(dist_run):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "BUG: a rank > 0 cannot load rank 0's object straight after commit(), before it is "
-    "persisted (NotFoundError 'left memory and is not persisted'): the embedded engine is "
-    "per process and nothing serves another local rank from tier 1 (DESIGN.md section 2)"))
+    "needs the node agent: the embedded engine is per process, so before an object is "
+    "persisted nothing serves it to another local rank from tier 1 (DESIGN.md section 2)"))
 def test_every_rank_loads_rank0_model_straight_after_commit(dist_run):
     store, world, results = dist_run
     for r in results:
@@ -209,21 +208,12 @@ def test_tag_not_committed_when_a_rank_never_commits(rank_dies_run):
         assert _same(t1.load(f"shard_rank{r}"), dist_worker.shard(r, 1))
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: after the store commit of t3 failed (rank 1 never persisted it), rank 0's "
-    "get_latest_checkpoint() still returns t3 from its memory tier although t3 is not "
-    "committed on all ranks and rank 1's objects of it exist nowhere"))
 def test_failed_commit_is_not_reported_as_latest(rank_dies_run):
     store, (r0, r1) = rank_dies_run
     assert r0["flush_error"] is not None
     assert r0["latest_here"] == "t2", (r0["latest_here"], r0["load_rank1_from_latest"])
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "BUG: with explicit rank/world_size and no torch.distributed, ranks > 0 never persist "
-    "at commit() with persistent_time_interval=0 (only rank 0's 'due' vote counts and no "
-    "collective shares it), so the coordinator times out and nothing is ever committed "
-    "unless every rank calls flush_persistence()"))
 def test_explicit_ranks_persist_every_commit_with_interval_zero(store):
     env = _child_env(NEBULITE_RUN_ID="noflush0001")
     r0, r1 = _run_ranks("plain_no_flush", store, 2, env=env)

@@ -13,6 +13,8 @@ from __future__ import annotations
 import atexit
 import logging
 import os
+import re
+import shutil
 import threading
 import time
 import warnings
@@ -39,6 +41,7 @@ log = logging.getLogger("nebulite")
 COMMIT_EXPLICITLY = -2
 
 _lock = threading.RLock()
+_VERSION_NAME = re.compile(r"^v[0-9a-zA-Z]+-[0-9]{6,}$")
 
 
 @dataclass
@@ -56,7 +59,13 @@ class _Session:
         rank, world = _dist.rank_and_world()
         self.rank = config.rank if config.rank is not None else rank
         self.world_size = config.world_size if config.world_size is not None else world
-        self.run_id = os.environ.get("NEBULITE_RUN_ID") or _dist.agree_on_run_id()
+        run_id = os.environ.get("NEBULITE_RUN_ID")
+        if not run_id and self.world_size > 1 and not _dist.initialized():
+            raise InvalidArgumentError(
+                "world_size > 1 without torch.distributed: set NEBULITE_RUN_ID to the same "
+                "value in every rank (or initialise torch.distributed before nebulite.init)"
+            )
+        self.run_id = run_id or _dist.agree_on_run_id()
         self.engine = _core.Engine.open(
             config.persistent_storage_path or "",
             rank=self.rank,
@@ -77,6 +86,26 @@ class _Session:
         if self.root:
             entries, _ = _core.read_catalog(self.root)
             self.seq = max((e["seq"] for e in entries), default=0)
+            if self.rank == 0:
+                self._remove_stale_versions()
+
+    def _remove_stale_versions(self) -> None:
+        """Deletes uncommitted versions left by earlier runs that died mid-save; they are
+        invisible to readers but hold space. (One job writes a store at a time.)"""
+        root = self.root
+        assert root is not None
+        mine = f"v{self.run_id}-"
+        for tag in os.listdir(root):
+            tag_dir = os.path.join(root, tag)
+            if tag.startswith(".") or not os.path.isdir(tag_dir):
+                continue
+            for version in os.listdir(tag_dir):
+                vdir = os.path.join(tag_dir, version)
+                if (not _VERSION_NAME.match(version) or version.startswith(mine)
+                        or os.path.exists(os.path.join(vdir, "COMMITTED"))):
+                    continue
+                log.info("nebulite: removing uncommitted %s left by an earlier run", vdir)
+                shutil.rmtree(vdir, ignore_errors=True)
 
     @property
     def root(self) -> str | None:
@@ -261,9 +290,14 @@ class Checkpoint:
         due = bool(s.root) and (
             s.last_persist is None or now - s.last_persist >= s.config.persistent_time_interval
         )
-        mine = [int(due) if s.rank == 0 else 0, int(s.engine.must_persist(self.tag, v.version)),
-                s.seq + 1 if s.rank == 0 else 0]
-        due_all, must, seq = _dist.all_reduce_max(mine)
+        must_here = int(s.engine.must_persist(self.tag, v.version))
+        if _dist.initialized():
+            # Rank 0's clock decides for everyone, and rank 0 numbers the commit.
+            mine = [int(due) if s.rank == 0 else 0, must_here, s.seq + 1 if s.rank == 0 else 0]
+            due_all, must, seq = _dist.all_reduce_max(mine)
+        else:
+            # Ranks given explicitly, without torch.distributed: each decides alike.
+            due_all, must, seq = int(due), must_here, s.seq + 1
         persist = bool(s.root) and bool(due_all or must)
         s.seq = max(s.seq, seq)
         s.engine.commit(self.tag, v.version, seq, persist)
@@ -304,9 +338,11 @@ class Checkpoint:
                 raise NotFoundError(f"{name!r} of checkpoint {c['tag']!r} is not in memory")
             stored = _find_committed(root, c["tag"], c["version"])
             if stored is None:
-                raise NotFoundError(
-                    f"{name!r} of checkpoint {c['tag']!r} left memory and is not persisted"
-                )
+                where = ("is held in another rank's memory and not persisted yet "
+                         "(flush_persistence() makes it loadable)"
+                         if s is not None and name not in c.get("names", []) and s.world_size > 1
+                         else "left memory and is not persisted")
+                raise NotFoundError(f"{name!r} of checkpoint {c['tag']!r} {where}")
             c = stored
         return _load_from_store(c, name, map_location, weights_only)
 
@@ -425,6 +461,8 @@ def _candidates(persist_path: str | os.PathLike[str] | None) -> list[dict[str, A
         for v in s.engine.versions():
             if not v["in_memory"]:
                 continue
+            if v["failed"] and s.world_size > 1:
+                continue  # the other ranks' parts never made it: not loadable anywhere
             v = dict(v, tier="memory", root=s.root, world_size=s.world_size)
             out.append(v)
             memory_keys.add((v["tag"], v["version"]))
