@@ -17,7 +17,8 @@ namespace nb = nanobind;
 namespace nebulite::python {
 namespace {
 
-using RecordArg = std::tuple<std::string, uintptr_t, uint64_t, bool>;  // name, address, size, deferred
+using RecordArg =
+    std::tuple<std::string, uintptr_t, uint64_t, bool>;  // name, address, size, deferred
 
 CopyEngine& LoadCopier() {
   static CopyEngine* engine = new CopyEngine(0);  // lives for the process
@@ -59,7 +60,8 @@ void RegisterEngine(nb::module_& m) {
       "Copies n bytes with every core (GIL released).");
 
   nb::class_<ObjectLease>(m, "ObjectLease")
-      .def_prop_ro("address", [](const ObjectLease& l) { return reinterpret_cast<uintptr_t>(l.data()); })
+      .def_prop_ro("address",
+                   [](const ObjectLease& l) { return reinterpret_cast<uintptr_t>(l.data()); })
       .def("records",
            [](const ObjectLease& l) {
              std::vector<std::tuple<std::string, uint64_t, uint64_t>> out;
@@ -80,9 +82,10 @@ void RegisterEngine(nb::module_& m) {
   nb::class_<Engine>(m, "Engine")
       .def_static(
           "open",
-          [](const std::string& persist_root, uint32_t rank, uint32_t world_size, uint64_t memory_bytes,
-             bool prefault, int copy_threads, int io_threads, bool direct_io, uint32_t retention,
-             double commit_timeout, double reserve_timeout, bool write_history) {
+          [](const std::string& persist_root, uint32_t rank, uint32_t world_size,
+             uint64_t memory_bytes, bool prefault, int copy_threads, int io_threads, bool direct_io,
+             uint32_t retention, double commit_timeout, double reserve_timeout,
+             bool write_history) {
             EngineOptions o;
             o.persist_root = persist_root;
             o.rank = rank;
@@ -108,37 +111,34 @@ void RegisterEngine(nb::module_& m) {
           nb::arg("io_threads") = 0, nb::arg("direct_io") = true, nb::arg("retention") = 0,
           nb::arg("commit_timeout") = 600.0, nb::arg("reserve_timeout") = 600.0,
           nb::arg("write_history") = true)
-      .def("stage",
-           [](Engine& e, const std::string& tag, const std::string& version, const std::string& name,
-              const std::vector<RecordArg>& records, bool persist_now) {
-             std::vector<SourceRecord> src;
-             src.reserve(records.size());
-             for (const auto& [n, ptr, size, deferred] : records)
-               src.push_back({n, reinterpret_cast<const void*>(ptr), size, deferred});
-             Result<StageInfo> r = Status::Internal("unset");
-             {
-               nb::gil_scoped_release release;
-               r = e.Stage(tag, version, name, src, persist_now);
-             }
-             StageInfo info = ValueOrThrow(std::move(r));
-             return std::make_tuple(info.bytes, info.blocking_seconds, info.streamed, info.deferred);
-           },
-           nb::arg("tag"), nb::arg("version"), nb::arg("name"), nb::arg("records"),
-           nb::arg("persist_now") = false)
+      .def(
+          "stage",
+          [](Engine& e, const std::string& tag, const std::string& version, const std::string& name,
+             const std::vector<RecordArg>& records, bool persist_now) {
+            std::vector<SourceRecord> src;
+            src.reserve(records.size());
+            for (const auto& [n, ptr, size, deferred] : records)
+              src.push_back({n, reinterpret_cast<const void*>(ptr), size, deferred});
+            Result<StageInfo> r = Status::Internal("unset");
+            {
+              nb::gil_scoped_release release;
+              r = e.Stage(tag, version, name, src, persist_now);
+            }
+            StageInfo info = ValueOrThrow(std::move(r));
+            return std::make_tuple(info.bytes, info.blocking_seconds, info.streamed, info.deferred);
+          },
+          nb::arg("tag"), nb::arg("version"), nb::arg("name"), nb::arg("records"),
+          nb::arg("persist_now") = false)
       .def("must_persist", &Engine::MustPersist)
       .def("wait_staged",
            [](Engine& e) {
              nb::gil_scoped_release release;
              e.WaitStaged();
            })
-      .def("commit",
-           [](Engine& e, const std::string& tag, const std::string& version, uint64_t seq, bool persist) {
-             ThrowIfError(e.Commit(tag, version, seq, persist));
-           })
-      .def("persist",
-           [](Engine& e, const std::string& tag, const std::string& version) {
-             ThrowIfError(e.Persist(tag, version));
-           })
+      .def("commit", [](Engine& e, const std::string& tag, const std::string& version, uint64_t seq,
+                        bool persist) { ThrowIfError(e.Commit(tag, version, seq, persist)); })
+      .def("persist", [](Engine& e, const std::string& tag,
+                         const std::string& version) { ThrowIfError(e.Persist(tag, version)); })
       .def("flush",
            [](Engine& e, double timeout) {
              Status st;
@@ -155,14 +155,13 @@ void RegisterEngine(nb::module_& m) {
              for (const auto& v : e.Versions()) out.append(VersionToDict(v));
              return out;
            })
-      .def("pin",
-           [](Engine& e, const std::string& tag, const std::string& version, const std::string& name) {
-             return ValueOrThrow(e.Pin(tag, version, name));
-           })
+      .def("pin", [](Engine& e, const std::string& tag, const std::string& version,
+                     const std::string& name) { return ValueOrThrow(e.Pin(tag, version, name)); })
       .def("take_errors",
            [](Engine& e) {
              std::vector<std::tuple<std::string, std::string>> out;
-             for (const auto& s : e.TakeErrors()) out.emplace_back(StatusCodeName(s.code()), s.message());
+             for (const auto& s : e.TakeErrors())
+               out.emplace_back(StatusCodeName(s.code()), s.message());
              return out;
            })
       .def("history",

@@ -21,7 +21,8 @@ namespace {
 // One open store per root, for the life of the process.
 Storage* StoreFor(const std::string& root) {
   static std::mutex mu;
-  static std::map<std::string, std::unique_ptr<Storage>>* stores = new std::map<std::string, std::unique_ptr<Storage>>();
+  static std::map<std::string, std::unique_ptr<Storage>>* stores =
+      new std::map<std::string, std::unique_ptr<Storage>>();
   std::lock_guard<std::mutex> lock(mu);
   auto it = stores->find(root);
   if (it != stores->end()) return it->second.get();
@@ -57,8 +58,8 @@ void RegisterStorage(nb::module_& m) {
     return nb::make_tuple(entries, cat.warnings);
   });
 
-  m.def("read_manifest", [](const std::string& root, const std::string& tag, const std::string& version,
-                            uint32_t rank) {
+  m.def("read_manifest", [](const std::string& root, const std::string& tag,
+                            const std::string& version, uint32_t rank) {
     Manifest mf = ValueOrThrow(ReadManifest(StoreFor(root), tag, version, rank));
     nb::list files;
     for (const auto& f : mf.files) files.append(nb::make_tuple(f.name, f.size, f.crc32));
@@ -71,14 +72,15 @@ void RegisterStorage(nb::module_& m) {
     return d;
   });
 
-  m.def("data_file_path", [](const std::string& tag, const std::string& version, uint32_t rank,
-                             const std::string& name) { return DataFilePath(tag, version, rank, name); });
+  m.def("data_file_path",
+        [](const std::string& tag, const std::string& version, uint32_t rank,
+           const std::string& name) { return DataFilePath(tag, version, rank, name); });
   m.def("validate_component", [](const std::string& c, const std::string& what) {
     ThrowIfError(ValidatePathComponent(c, what.c_str()));
   });
 
-  m.def("verify_data_file", [](const std::string& root, const std::string& path, const std::string& name,
-                               uint64_t size, uint32_t crc) {
+  m.def("verify_data_file", [](const std::string& root, const std::string& path,
+                               const std::string& name, uint64_t size, uint32_t crc) {
     Status st;
     {
       nb::gil_scoped_release release;
@@ -104,7 +106,8 @@ void RegisterStorage(nb::module_& m) {
       .def("records",
            [](const StoredArchive& a) {
              std::vector<std::tuple<std::string, uint64_t, uint64_t, uint32_t>> out;
-             for (const auto& r : a.index().records()) out.emplace_back(r.name, r.data_offset, r.size, r.crc32);
+             for (const auto& r : a.index().records())
+               out.emplace_back(r.name, r.data_offset, r.size, r.crc32);
              return out;
            })
       .def_prop_ro("prefix", [](const StoredArchive& a) { return a.index().prefix(); })
@@ -121,16 +124,17 @@ void RegisterStorage(nb::module_& m) {
              ThrowIfError(st);
              return nb::bytes(buf.data(), buf.size());
            })
-      .def("read_into", [](const StoredArchive& a, const std::string& name, uintptr_t dst, int threads) {
-        const format::RecordEntry* e = a.index().Find(name);
-        if (!e) ThrowIfError(Status::NotFound(a.path() + ": no record '" + name + "'"));
-        Status st;
-        {
-          nb::gil_scoped_release release;
-          st = a.ReadInto(*e, reinterpret_cast<void*>(dst), threads);
-        }
-        ThrowIfError(st);
-      });
+      .def("read_into",
+           [](const StoredArchive& a, const std::string& name, uintptr_t dst, int threads) {
+             const format::RecordEntry* e = a.index().Find(name);
+             if (!e) ThrowIfError(Status::NotFound(a.path() + ": no record '" + name + "'"));
+             Status st;
+             {
+               nb::gil_scoped_release release;
+               st = a.ReadInto(*e, reinterpret_cast<void*>(dst), threads);
+             }
+             ThrowIfError(st);
+           });
 }
 
 }  // namespace nebulite::python

@@ -29,9 +29,9 @@ inline constexpr uint32_t kManifestVersion = 1;
 inline constexpr uint64_t kMaxManifestBytes = 64ull << 20;
 
 struct ManifestFile {
-  std::string name;   // the object name (a path component)
-  uint64_t size = 0;  // bytes
-  uint32_t crc32 = 0; // CRC-32 of the whole file
+  std::string name;    // the object name (a path component)
+  uint64_t size = 0;   // bytes
+  uint32_t crc32 = 0;  // CRC-32 of the whole file
 };
 
 struct Manifest {
@@ -66,8 +66,8 @@ std::string ManifestPath(const std::string& tag, const std::string& version, uin
 std::string CommitMarkerPath(const std::string& tag, const std::string& version);
 
 Status WriteManifest(Storage* storage, const Manifest& m);
-Result<Manifest> ReadManifest(Storage* storage, const std::string& tag,
-                              const std::string& version, uint32_t rank);
+Result<Manifest> ReadManifest(Storage* storage, const std::string& tag, const std::string& version,
+                              uint32_t rank);
 Result<bool> AllManifestsPresent(Storage* storage, const std::string& tag,
                                  const std::string& version, uint32_t world_size);
 // Reads every rank's manifest, checks them, and writes the marker atomically.
@@ -90,7 +90,7 @@ Result<Catalog> ReadCatalog(Storage* storage);
 // version directories are never touched (one may be in progress).
 // Returns the (tag, version) pairs deleted.
 Result<std::vector<std::pair<std::string, std::string>>> ApplyRetention(Storage* storage,
-                                                                         uint32_t keep);
+                                                                        uint32_t keep);
 
 // Verifies a data file against its manifest entry (size and whole-file CRC).
 Status VerifyDataFile(Storage* storage, const std::string& path, const ManifestFile& f);

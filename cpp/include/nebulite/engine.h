@@ -31,18 +31,18 @@
 namespace nebulite {
 
 struct EngineOptions {
-  std::string persist_root;    // "" = memory tier only
+  std::string persist_root;  // "" = memory tier only
   uint32_t rank = 0;
   uint32_t world_size = 1;
-  uint64_t memory_bytes = 0;   // arena capacity; 0 = DefaultMemoryBytes()
-  bool prefault = true;        // touch the arena once in the background
-  int copy_threads = 0;        // 0 = every CPU
-  int io_threads = 0;          // 0 = 4
+  uint64_t memory_bytes = 0;  // arena capacity; 0 = DefaultMemoryBytes()
+  bool prefault = true;       // touch the arena once in the background
+  int copy_threads = 0;       // 0 = every CPU
+  int io_threads = 0;         // 0 = 4
   bool direct_io = true;
-  uint32_t retention = 0;      // committed versions kept (store and memory); 0 = all
+  uint32_t retention = 0;                // committed versions kept (store and memory); 0 = all
   double commit_timeout_seconds = 600;   // how long rank 0 waits for other ranks
   double reserve_timeout_seconds = 600;  // how long a save waits for arena space
-  bool write_history = true;   // checkpointHistories.csv in the store
+  bool write_history = true;             // checkpointHistories.csv in the store
   // Tests: a store to use instead of opening persist_root (which then only names
   // the directory of the history file, and may be empty).
   std::shared_ptr<Storage> storage_override;
@@ -61,10 +61,10 @@ struct SourceRecord {
 };
 
 struct StageInfo {
-  uint64_t bytes = 0;             // size of the data file
-  double blocking_seconds = 0;    // time spent in Stage()
-  bool streamed = false;          // written through to the store instead of kept in memory
-  bool deferred = false;          // some bytes are still being copied in the background
+  uint64_t bytes = 0;           // size of the data file
+  double blocking_seconds = 0;  // time spent in Stage()
+  bool streamed = false;        // written through to the store instead of kept in memory
+  bool deferred = false;        // some bytes are still being copied in the background
 };
 
 struct RecordRef {
@@ -89,8 +89,8 @@ struct VersionInfo {
   int64_t commit_unix_ns = 0;  // wall time of Commit()
   bool in_memory = false;      // every object of this rank is loadable from the arena
   bool persist_requested = false;
-  bool persisted = false;      // this rank's files and manifest are durable
-  bool failed = false;         // persisting failed (see TakeErrors)
+  bool persisted = false;  // this rank's files and manifest are durable
+  bool failed = false;     // persisting failed (see TakeErrors)
   std::vector<std::string> names;
 };
 
@@ -112,8 +112,7 @@ class Engine {
   // `persist_now`: the version will be persisted, so its data file may be written
   // at once, before the version is committed (its manifest still waits for Commit).
   virtual Result<StageInfo> Stage(const std::string& tag, const std::string& version,
-                                  const std::string& name,
-                                  const std::vector<SourceRecord>& records,
+                                  const std::string& name, const std::vector<SourceRecord>& records,
                                   bool persist_now = false) = 0;
   // Waits until every deferred copy has landed in the arena; the sources of deferred
   // records may change after it returns.
@@ -133,8 +132,8 @@ class Engine {
   // Committed versions of this rank still known to the engine, ordered by seq.
   virtual std::vector<VersionInfo> Versions() = 0;
   virtual Result<std::shared_ptr<ObjectLease>> Pin(const std::string& tag,
-                                                    const std::string& version,
-                                                    const std::string& name) = 0;
+                                                   const std::string& version,
+                                                   const std::string& name) = 0;
 
   virtual std::vector<Status> TakeErrors() = 0;
   virtual std::vector<HistoryRow> History() = 0;  // rows so far (also in the CSV)

@@ -15,7 +15,17 @@
 
 namespace nebulite {
 
-enum class StorageOp { kCreate, kWrite, kSync, kWriteAtomic, kRename, kSyncDir, kDelete, kRead, kAny };
+enum class StorageOp {
+  kCreate,
+  kWrite,
+  kSync,
+  kWriteAtomic,
+  kRename,
+  kSyncDir,
+  kDelete,
+  kRead,
+  kAny
+};
 
 class FaultStorage : public Storage {
  public:

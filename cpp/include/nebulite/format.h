@@ -17,11 +17,11 @@
 
 namespace nebulite::format {
 
-inline constexpr uint64_t kAlignment = 4096;        // payload alignment (bytes)
-inline constexpr uint32_t kFormatVersion = 1;       // nebulite format version
+inline constexpr uint64_t kAlignment = 4096;                   // payload alignment (bytes)
+inline constexpr uint32_t kFormatVersion = 1;                  // nebulite format version
 inline constexpr std::string_view kArchivePrefix = "archive";  // record names are "archive/<name>"
 inline constexpr std::string_view kIndexRecord = ".nebulite/index.json";  // nebulite's own record
-inline constexpr uint64_t kMaxRecords = 1u << 20;           // bound on the directory
+inline constexpr uint64_t kMaxRecords = 1u << 20;                         // bound on the directory
 inline constexpr uint64_t kMaxRecordNameLength = 4096;
 inline constexpr uint64_t kMaxCentralDirectoryBytes = 256ull << 20;
 

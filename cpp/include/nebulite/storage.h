@@ -52,8 +52,7 @@ class Storage {
 
   virtual Result<uint64_t> FileSize(const std::string& path) = 0;
   // Reads up to n bytes at offset; returns the count (short only at end of file).
-  virtual Result<size_t> ReadAt(const std::string& path, uint64_t offset, size_t n,
-                                void* dst) = 0;
+  virtual Result<size_t> ReadAt(const std::string& path, uint64_t offset, size_t n, void* dst) = 0;
   // Reads a whole small file (at most `max_bytes`, else Corruption).
   virtual Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) = 0;
 

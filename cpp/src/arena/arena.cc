@@ -15,7 +15,8 @@ uint64_t RoundUp(uint64_t v, uint64_t a) { return (v + a - 1) / a * a; }
 
 Result<std::unique_ptr<Arena>> Arena::Create(uint64_t capacity, bool prefault, bool shared) {
   if (capacity == 0) return Status::InvalidArgument("arena capacity must be positive");
-  if (capacity > (1ull << 46)) return Status::InvalidArgument("arena capacity is implausibly large");
+  if (capacity > (1ull << 46))
+    return Status::InvalidArgument("arena capacity is implausibly large");
   capacity = RoundUp(capacity, kMapGranule);
   int fd = -1;
   void* p = MAP_FAILED;

@@ -72,7 +72,8 @@ TEST(Crc32FastPathTest, MatchesZlibOnEverySizeAndAlignment) {
   for (size_t off = 0; off < 17; ++off) {
     for (size_t n : {0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 4096, 4097, 65536, 69000}) {
       if (off + n > buf.size()) continue;
-      EXPECT_EQ(Crc32(0, buf.data() + off, n), Crc32Zlib(0, buf.data() + off, n)) << off << " " << n;
+      EXPECT_EQ(Crc32(0, buf.data() + off, n), Crc32Zlib(0, buf.data() + off, n))
+          << off << " " << n;
       EXPECT_EQ(Crc32(0xDEADBEEF, buf.data() + off, n), Crc32Zlib(0xDEADBEEF, buf.data() + off, n));
     }
   }

@@ -9,18 +9,12 @@
 #include <string>
 #include <vector>
 
+#include "base/test_util.h"
 #include "nebulite/crc32.h"
 #include "nebulite/fault_storage.h"
 
 namespace nebulite {
 namespace {
-
-// Unwraps a Result in a test (Result has no const operator*, so `*F()` does not compile).
-template <typename T>
-T Val(Result<T> r) {
-  EXPECT_TRUE(r.ok()) << r.status().ToString();
-  return r.ok() ? std::move(r).value() : T{};
-}
 
 std::string Hex8(uint32_t v) {
   char buf[9];

@@ -5,7 +5,7 @@
 
 namespace nebulite {
 namespace {
-constexpr size_t kPiece = 4ull << 20;  // bytes per unit of work
+constexpr size_t kPiece = 4ull << 20;   // bytes per unit of work
 constexpr size_t kInline = 1ull << 20;  // below this, copy on the calling thread
 }  // namespace
 
@@ -83,10 +83,12 @@ void CopyEngine::Copy(const std::vector<CopySpan>& spans) {
   for (const auto& s : spans) {
     for (size_t off = 0; off < s.size; off += piece) {
       size_t n = std::min(piece, s.size - off);
-      pieces.push_back({static_cast<uint8_t*>(s.dst) + off, static_cast<const uint8_t*>(s.src) + off, n});
+      pieces.push_back(
+          {static_cast<uint8_t*>(s.dst) + off, static_cast<const uint8_t*>(s.src) + off, n});
     }
   }
-  ParallelFor(pieces.size(), [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].size); });
+  ParallelFor(pieces.size(),
+              [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].size); });
 }
 
 }  // namespace nebulite

@@ -26,7 +26,8 @@ TEST(CopyEngineTest, CopiesManySpansOfMixedSizesExactly) {
     src.push_back(Pattern(sizes[i], static_cast<uint8_t>(i)));
     dst.emplace_back(sizes[i], 0);
   }
-  for (size_t i = 0; i < sizes.size(); ++i) spans.push_back({dst[i].data(), src[i].data(), sizes[i]});
+  for (size_t i = 0; i < sizes.size(); ++i)
+    spans.push_back({dst[i].data(), src[i].data(), sizes[i]});
   engine.Copy(spans);
   for (size_t i = 0; i < sizes.size(); ++i) EXPECT_EQ(src[i], dst[i]) << "span " << i;
 }

@@ -9,6 +9,8 @@
 //  3. the central directory (the tail) is written and the file fdatasync'd.
 // Then the rank's manifest is written (temp, fsync, rename, fsync dir) and, once all
 // ranks' manifests exist, rank 0 writes the commit marker and applies retention.
+#include "nebulite/engine.h"
+
 #include <sys/sysinfo.h>
 #include <unistd.h>
 
@@ -26,7 +28,6 @@
 #include "nebulite/commit.h"
 #include "nebulite/copy_engine.h"
 #include "nebulite/crc32.h"
-#include "nebulite/engine.h"
 #include "persist/history.h"
 
 namespace nebulite {
@@ -47,13 +48,13 @@ struct ObjectState {
   std::vector<RecordRef> refs;
   ArenaBlock block;
   bool in_memory = false;
-  bool streamed = false;       // already durable in the store
-  bool sealed = true;          // every byte is in the arena (false while a deferred copy runs)
-  bool queued = false;         // a persist job for it is queued or running
-  bool written = false;        // its data file is durable (file is valid)
+  bool streamed = false;  // already durable in the store
+  bool sealed = true;     // every byte is in the arena (false while a deferred copy runs)
+  bool queued = false;    // a persist job for it is queued or running
+  bool written = false;   // its data file is durable (file is valid)
   uint64_t bytes = 0;
   double blocking_seconds = 0;
-  ManifestFile file;           // filled once the data file is durable
+  ManifestFile file;  // filled once the data file is durable
 };
 
 struct VersionState {
@@ -63,7 +64,7 @@ struct VersionState {
   uint64_t seq = 0;
   bool must_persist = false;
   bool persist_requested = false;
-  bool persisted = false;   // this rank's manifest is durable
+  bool persisted = false;        // this rank's manifest is durable
   bool store_committed = false;  // the commit marker is known to exist
   bool failed = false;
   bool failure_flushed = false;  // a Flush() has returned this failure
@@ -126,7 +127,8 @@ class EngineImpl : public Engine {
     std::vector<format::RecordSpec> specs;
     specs.reserve(records.size());
     for (const auto& r : records) {
-      if (r.size > 0 && r.data == nullptr) return Status::InvalidArgument("record " + r.name + " has no data");
+      if (r.size > 0 && r.data == nullptr)
+        return Status::InvalidArgument("record " + r.name + " has no data");
       specs.push_back({r.name, r.size});
     }
     NEBULITE_ASSIGN_OR_RETURN(auto layout, format::ArchiveLayout::Plan(specs));
@@ -141,7 +143,8 @@ class EngineImpl : public Engine {
                                           "' is already committed");
       }
       if (v->Find(name) != nullptr) {
-        return Status::AlreadyExists("'" + name + "' was already saved in checkpoint '" + tag + "'");
+        return Status::AlreadyExists("'" + name + "' was already saved in checkpoint '" + tag +
+                                     "'");
       }
     }
     auto obj = std::make_unique<ObjectState>();
@@ -161,8 +164,9 @@ class EngineImpl : public Engine {
     } else {
       return block.status().WithContext(
           storage_ ? "staging '" + name + "'"
-                   : "staging '" + name + "' (no persistent path is set, so a state must fit "
-                                          "in the memory budget NEBULA_MEMORY_BUFFER_SIZE)");
+                   : "staging '" + name +
+                         "' (no persistent path is set, so a state must fit "
+                         "in the memory budget NEBULA_MEMORY_BUFFER_SIZE)");
     }
     obj->blocking_seconds = Seconds(t0, Clock::now());
     StageInfo info{obj->bytes, obj->blocking_seconds, obj->streamed, !deferred.empty()};
@@ -219,12 +223,14 @@ class EngineImpl : public Engine {
   Status Persist(const std::string& tag, const std::string& version) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto v = FindLocked(tag, version);
-    if (!v || !v->committed) return Status::NotFound("no committed version " + version + " of '" + tag + "' in memory");
+    if (!v || !v->committed)
+      return Status::NotFound("no committed version " + version + " of '" + tag + "' in memory");
     if (!storage_) return Status::FailedPrecondition("no persistent path is set");
     if (v->persist_requested && !v->failed) return Status::OK();
     for (auto& o : v->objects)
       if (!o->in_memory && !o->written)
-        return Status::NotFound("checkpoint '" + tag + "' was evicted from memory before it was persisted");
+        return Status::NotFound("checkpoint '" + tag +
+                                "' was evicted from memory before it was persisted");
     v->failed = false;
     EnqueueVersionLocked(v);
     return Status::OK();
@@ -240,8 +246,10 @@ class EngineImpl : public Engine {
       std::vector<std::shared_ptr<VersionState>> awaiting;
       for (auto& v : versions_) {
         if (!v->persist_requested || v->failed || v->store_committed) continue;
-        if (!v->persisted) pending = true;
-        else awaiting.push_back(v);
+        if (!v->persisted)
+          pending = true;
+        else
+          awaiting.push_back(v);
       }
       if (!pending && opts_.rank != 0) {
         // Other ranks learn of commits by seeing the marker.
@@ -269,7 +277,8 @@ class EngineImpl : public Engine {
       if (v->failed && !v->failure_flushed) {
         v->failure_flushed = true;
         if (result.ok())
-          result = Status::IOError("persisting checkpoint '" + v->tag + "' failed: " + v->error.ToString());
+          result = Status::IOError("persisting checkpoint '" + v->tag +
+                                   "' failed: " + v->error.ToString());
       }
     }
     return result;
@@ -371,7 +380,8 @@ class EngineImpl : public Engine {
       if (v->tag == tag && v->version == version) return v;
     return nullptr;
   }
-  std::shared_ptr<VersionState> GetOrCreateLocked(const std::string& tag, const std::string& version) {
+  std::shared_ptr<VersionState> GetOrCreateLocked(const std::string& tag,
+                                                  const std::string& version) {
     auto v = FindLocked(tag, version);
     if (v) return v;
     v = std::make_shared<VersionState>();
@@ -462,8 +472,9 @@ class EngineImpl : public Engine {
                                        " bytes exceeds the memory budget of " +
                                        std::to_string(arena_->capacity()) + " bytes");
     }
-    auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
-                                       std::chrono::duration<double>(opts_.reserve_timeout_seconds));
+    auto deadline =
+        Clock::now() + std::chrono::duration_cast<Clock::duration>(
+                           std::chrono::duration<double>(opts_.reserve_timeout_seconds));
     while (true) {
       auto b = arena_->TryReserve(size);
       if (b.ok()) return b;
@@ -477,9 +488,9 @@ class EngineImpl : public Engine {
           if (v->pins > 0 || (v->persist_requested && !v->persisted && !v->failed)) wait = true;
       }
       if (!wait || Clock::now() >= deadline) {
-        return Status::ResourceExhausted("the memory budget of " + std::to_string(arena_->capacity()) +
-                                         " bytes cannot hold " + std::to_string(size) +
-                                         " more bytes (" + std::to_string(arena_->used()) + " in use)");
+        return Status::ResourceExhausted(
+            "the memory budget of " + std::to_string(arena_->capacity()) + " bytes cannot hold " +
+            std::to_string(size) + " more bytes (" + std::to_string(arena_->used()) + " in use)");
       }
       auto w = arena_->Reserve(size, std::chrono::milliseconds(20));
       if (w.ok()) return w;
@@ -542,7 +553,8 @@ class EngineImpl : public Engine {
     window = std::max<uint64_t>(window, kBlock);
     NEBULITE_ASSIGN_OR_RETURN(ArenaBlock block, ReserveForImage(window));
     struct Releaser {
-      Arena* a; ArenaBlock b;
+      Arena* a;
+      ArenaBlock b;
       ~Releaser() { a->Release(b); }
     } releaser{arena_.get(), block};
     uint8_t* buf = arena_->base() + block.offset;
@@ -560,16 +572,20 @@ class EngineImpl : public Engine {
       for (size_t i = first; i < place.size() && place[i].header_offset < w1; ++i) {
         // header bytes in the window
         uint64_t h0 = std::max(w0, place[i].header_offset), h1 = std::min(w1, place[i].data_offset);
-        if (h0 < h1) std::memcpy(buf + (h0 - w0), headers[i].data() + (h0 - place[i].header_offset), h1 - h0);
-        uint64_t p0 = std::max(w0, place[i].data_offset), p1 = std::min(w1, place[i].data_offset + place[i].size);
+        if (h0 < h1)
+          std::memcpy(buf + (h0 - w0), headers[i].data() + (h0 - place[i].header_offset), h1 - h0);
+        uint64_t p0 = std::max(w0, place[i].data_offset),
+                 p1 = std::min(w1, place[i].data_offset + place[i].size);
         if (p0 < p1)
-          spans.push_back({buf + (p0 - w0),
-                           static_cast<const uint8_t*>(records[i].data) + (p0 - place[i].data_offset),
-                           p1 - p0});
+          spans.push_back(
+              {buf + (p0 - w0),
+               static_cast<const uint8_t*>(records[i].data) + (p0 - place[i].data_offset),
+               p1 - p0});
       }
       copy_.Copy(spans);
       for (size_t i = first; i < place.size() && place[i].header_offset < w1; ++i) {
-        uint64_t p0 = std::max(w0, place[i].data_offset), p1 = std::min(w1, place[i].data_offset + place[i].size);
+        uint64_t p0 = std::max(w0, place[i].data_offset),
+                 p1 = std::min(w1, place[i].data_offset + place[i].size);
         if (p0 < p1) crcs[i] = Crc32(crcs[i], buf + (p0 - w0), p1 - p0);
       }
       NEBULITE_RETURN_IF_ERROR(file->WriteAt(w0, buf, w1 - w0));
@@ -608,15 +624,22 @@ class EngineImpl : public Engine {
     uint64_t end = o->layout.tail_offset();
     size_t nchunks = (end + kChunk - 1) / kChunk;
     // Per chunk, the CRC of each record's bytes inside it.
-    struct Piece { size_t record; uint64_t len; uint32_t crc; };
+    struct Piece {
+      size_t record;
+      uint64_t len;
+      uint32_t crc;
+    };
     std::vector<std::vector<Piece>> pieces(nchunks);
     std::vector<Status> chunk_status(nchunks);
     io_.ParallelFor(nchunks, [&](size_t c) {
       uint64_t c0 = c * kChunk, c1 = std::min(end, c0 + kChunk);
       auto it = std::upper_bound(place.begin(), place.end(), c0,
-                                 [](uint64_t off, const format::RecordPlacement& p) { return off < p.data_offset + p.size; });
+                                 [](uint64_t off, const format::RecordPlacement& p) {
+                                   return off < p.data_offset + p.size;
+                                 });
       for (size_t i = it - place.begin(); i < place.size() && place[i].data_offset < c1; ++i) {
-        uint64_t p0 = std::max(c0, place[i].data_offset), p1 = std::min(c1, place[i].data_offset + place[i].size);
+        uint64_t p0 = std::max(c0, place[i].data_offset),
+                 p1 = std::min(c1, place[i].data_offset + place[i].size);
         if (p0 < p1) pieces[c].push_back({i, p1 - p0, Crc32(0, image + p0, p1 - p0)});
       }
       chunk_status[c] = file->WriteAt(c0, image + c0, c1 - c0);
@@ -683,8 +706,8 @@ class EngineImpl : public Engine {
         v->failure_flushed = false;
         v->error = st;
         ReportLocked(st.WithContext("persisting checkpoint '" + v->tag + "'"));
-        history_.Append({v->tag, v->version, job.object ? job.object->name : "", opts_.rank, 0, 0, 0,
-                         "persistent", "failed: " + st.ToString()});
+        history_.Append({v->tag, v->version, job.object ? job.object->name : "", opts_.rank, 0, 0,
+                         0, "persistent", "failed: " + st.ToString()});
         // Free the space the partial files hold; they were never visible.
         (void)storage_->DeleteRecursively(VersionDir(v->tag, v->version) + "/rank" +
                                           std::to_string(opts_.rank));
@@ -710,7 +733,8 @@ class EngineImpl : public Engine {
   }
 
   Status PersistOneObject(const VersionState& v, ObjectState* o) {
-    if (!o->in_memory) return Status::NotFound("'" + o->name + "' left memory before it was persisted");
+    if (!o->in_memory)
+      return Status::NotFound("'" + o->name + "' left memory before it was persisted");
     double secs = 0;
     Status st = PersistObject(v, o, &secs);
     history_.Append({v.tag, v.version, o->name, opts_.rank, o->bytes, o->blocking_seconds, secs,
@@ -725,7 +749,8 @@ class EngineImpl : public Engine {
     m.rank = opts_.rank;
     m.world_size = opts_.world_size;
     for (auto& o : v->objects) {
-      if (!o->written) return Status::Internal("'" + o->name + "' was not written before its manifest");
+      if (!o->written)
+        return Status::Internal("'" + o->name + "' was not written before its manifest");
       if (o->streamed)
         history_.Append({v->tag, v->version, o->name, opts_.rank, o->bytes, o->blocking_seconds, 0,
                          "persistent", "streamed"});
@@ -741,7 +766,8 @@ class EngineImpl : public Engine {
     auto removed = ApplyRetention(storage_.get(), opts_.retention);
     if (!removed.ok()) return removed.status().WithContext("retention");
     for (auto& [tag, version] : *removed)
-      history_.Append({tag, version, "", opts_.rank, 0, 0, 0, "persistent", "deleted_by_retention"});
+      history_.Append(
+          {tag, version, "", opts_.rank, 0, 0, 0, "persistent", "deleted_by_retention"});
     return Status::OK();
   }
 
@@ -752,7 +778,8 @@ class EngineImpl : public Engine {
     c.version = v->version;
     c.seq = v->seq;
     c.time_unix_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                         std::chrono::system_clock::now().time_since_epoch()).count();
+                         std::chrono::system_clock::now().time_since_epoch())
+                         .count();
     c.world_size = opts_.world_size;
     NEBULITE_RETURN_IF_ERROR(WriteCommitMarker(storage_.get(), c));
     uint64_t total = 0;
@@ -820,15 +847,15 @@ class EngineImpl : public Engine {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::list<std::shared_ptr<VersionState>> versions_;           // GUARDED_BY(mu_)
+  std::list<std::shared_ptr<VersionState>> versions_;  // GUARDED_BY(mu_)
   struct Job {
     std::shared_ptr<VersionState> version;
     ObjectState* object;  // nullptr: finish the version (manifest, commit)
   };
-  std::deque<Job> queue_;                                       // GUARDED_BY(mu_)
+  std::deque<Job> queue_;  // GUARDED_BY(mu_)
   std::vector<std::pair<std::shared_ptr<VersionState>, Clock::time_point>> coord_pending_;
-  std::vector<Status> errors_;                                  // GUARDED_BY(mu_)
-  uint64_t failures_ = 0;  // GUARDED_BY(mu_)
+  std::vector<Status> errors_;  // GUARDED_BY(mu_)
+  uint64_t failures_ = 0;       // GUARDED_BY(mu_)
   bool busy_ = false;
   bool closed_ = false;
   struct StageJob {
@@ -847,7 +874,7 @@ LeaseImpl::~LeaseImpl() { engine_->Unpin(version_.get()); }
 }  // namespace
 
 uint64_t DefaultMemoryBytes() {
-  struct sysinfo si{};
+  struct sysinfo si {};
   uint64_t total = 8ull << 30;
   if (sysinfo(&si) == 0) total = static_cast<uint64_t>(si.totalram) * si.mem_unit;
   uint64_t b = total / 4;
@@ -865,7 +892,8 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
     NEBULITE_ASSIGN_OR_RETURN(storage, OpenPosixStorage(o.persist_root, o.direct_io));
   }
   NEBULITE_ASSIGN_OR_RETURN(auto arena, Arena::Create(o.memory_bytes, o.prefault));
-  return std::unique_ptr<Engine>(new EngineImpl(std::move(o), std::move(arena), std::move(storage)));
+  return std::unique_ptr<Engine>(
+      new EngineImpl(std::move(o), std::move(arena), std::move(storage)));
 }
 
 }  // namespace nebulite

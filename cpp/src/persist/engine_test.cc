@@ -46,8 +46,8 @@ Object MakeObject(const std::vector<size_t>& sizes, uint8_t seed) {
   o.payloads.reserve(sizes.size());
   for (size_t i = 0; i < sizes.size(); ++i) o.payloads.push_back(Bytes(sizes[i], seed + i));
   for (size_t i = 0; i < sizes.size(); ++i)
-    o.records.push_back({i == 0 ? "data.pkl" : "data/" + std::to_string(i - 1), o.payloads[i].data(),
-                         o.payloads[i].size()});
+    o.records.push_back({i == 0 ? "data.pkl" : "data/" + std::to_string(i - 1),
+                         o.payloads[i].data(), o.payloads[i].size()});
   return o;
 }
 
@@ -97,7 +97,8 @@ TEST(EngineTest, PersistsCommitsAndReadsBack) {
   auto m = ReadManifest(engine.storage(), "step1", "v1", 0);
   ASSERT_TRUE(m.ok());
   ASSERT_EQ(m->files.size(), 1u);
-  EXPECT_TRUE(VerifyDataFile(engine.storage(), DataFilePath("step1", "v1", 0, "model"), m->files[0]).ok());
+  EXPECT_TRUE(
+      VerifyDataFile(engine.storage(), DataFilePath("step1", "v1", 0, "model"), m->files[0]).ok());
   EXPECT_TRUE(fs::exists(dir.path() + "/checkpointHistories.csv"));
   auto versions = engine.Versions();
   ASSERT_EQ(versions.size(), 1u);
@@ -128,8 +129,10 @@ TEST(EngineTest, RejectsBadNamesAndDuplicates) {
   auto e = Engine::Open(Options(""));
   ASSERT_TRUE(e.ok());
   auto obj = MakeObject({10}, 0);
-  EXPECT_EQ((*e)->Stage("../x", "v", "n", obj.records).status().code(), StatusCode::kInvalidArgument);
-  EXPECT_EQ((*e)->Stage("t", "v", "a/b", obj.records).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*e)->Stage("../x", "v", "n", obj.records).status().code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ((*e)->Stage("t", "v", "a/b", obj.records).status().code(),
+            StatusCode::kInvalidArgument);
   ASSERT_TRUE((*e)->Stage("t", "v", "n", obj.records).ok());
   EXPECT_EQ((*e)->Stage("t", "v", "n", obj.records).status().code(), StatusCode::kAlreadyExists);
 }
@@ -150,7 +153,8 @@ TEST(EngineTest, StateLargerThanTheBudgetStreamsThroughIt) {
   ExpectStored(engine.storage(), DataFilePath("big", "v1", 0, "model"), obj);
   auto m = ReadManifest(engine.storage(), "big", "v1", 0);
   ASSERT_TRUE(m.ok());
-  EXPECT_TRUE(VerifyDataFile(engine.storage(), DataFilePath("big", "v1", 0, "model"), m->files[0]).ok());
+  EXPECT_TRUE(
+      VerifyDataFile(engine.storage(), DataFilePath("big", "v1", 0, "model"), m->files[0]).ok());
   EXPECT_EQ(engine.memory_used(), 0u);
 }
 

@@ -8,9 +8,12 @@
 
 namespace nebulite {
 
-Result<std::unique_ptr<StoredArchive>> StoredArchive::Open(Storage* storage, const std::string& path) {
+Result<std::unique_ptr<StoredArchive>> StoredArchive::Open(Storage* storage,
+                                                           const std::string& path) {
   NEBULITE_ASSIGN_OR_RETURN(uint64_t size, storage->FileSize(path));
-  auto read_at = [&](uint64_t off, size_t n, void* dst) { return storage->ReadAt(path, off, n, dst); };
+  auto read_at = [&](uint64_t off, size_t n, void* dst) {
+    return storage->ReadAt(path, off, n, dst);
+  };
   auto index = format::ArchiveIndex::Parse(size, read_at);
   if (!index.ok()) return index.status().WithContext(path);
   return std::unique_ptr<StoredArchive>(new StoredArchive(storage, path, std::move(index).value()));

@@ -13,18 +13,12 @@
 #include <thread>
 #include <vector>
 
+#include "base/test_util.h"
 #include "nebulite/fault_storage.h"
 #include "nebulite/storage.h"
 
 namespace nebulite {
 namespace {
-
-// Unwraps a Result in a test (Result has no const operator*, so `*F()` does not compile).
-template <typename T>
-T Val(Result<T> r) {
-  EXPECT_TRUE(r.ok()) << r.status().ToString();
-  return r.ok() ? std::move(r).value() : T{};
-}
 
 // A driver under test plus whatever keeps it alive.
 struct DriverInstance {

@@ -6,15 +6,10 @@
 #include <memory>
 #include <string>
 
+#include "base/test_util.h"
+
 namespace nebulite {
 namespace {
-
-// Unwraps a Result in a test (Result has no const operator*, so `*F()` does not compile).
-template <typename T>
-T Val(Result<T> r) {
-  EXPECT_TRUE(r.ok()) << r.status().ToString();
-  return r.ok() ? std::move(r).value() : T{};
-}
 
 class FaultStorageTest : public ::testing::Test {
  protected:
