@@ -554,3 +554,23 @@ def test_explicit_world_without_distributed_needs_a_shared_run_id(store, monkeyp
     monkeypatch.setenv("NEBULITE_RUN_ID", "job42")
     nebulite.init(persistent_storage_path=store, rank=0, world_size=2)
     assert nebulite.session_info()["run_id"] == "job42"
+
+
+def test_init_removes_only_dead_runs_uncommitted_versions(store, monkeypatch, tmp_path):
+    import subprocess
+    import sys
+
+    monkeypatch.setenv("NEBULITE_RUN_ID", "alive1")
+    nebulite.init(persistent_storage_path=store)  # this process is run "alive1", alive
+    live = os.path.join(store, "t", "valive1-000001", "rank0")
+    dead = os.path.join(store, "t", "vdead99-000001", "rank0")
+    for d in (live, dead):
+        os.makedirs(d)
+        with open(os.path.join(d, "model"), "wb") as f:
+            f.write(b"partial")
+    # Another process opening the same store (an evaluation job, say).
+    env = dict(os.environ, NEBULITE_RUN_ID="other2")
+    code = f"import nebulite; nebulite.init(persistent_storage_path={store!r})"
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    assert os.path.exists(live), "a live run's version in progress was deleted"
+    assert not os.path.exists(dead), "a dead run's leftover was kept"

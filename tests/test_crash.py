@@ -296,7 +296,8 @@ def restarted(tmp_path_factory):
     before = _check_after_kill(store, run1, lowest=5, highest=None)
     debris = sorted(
         f"{tag}/{v}"
-        for tag in os.listdir(store) if os.path.isdir(os.path.join(store, tag))
+        for tag in os.listdir(store)
+        if os.path.isdir(os.path.join(store, tag)) and not tag.startswith(".")
         for v in os.listdir(os.path.join(store, tag))
         if not os.path.exists(os.path.join(store, tag, v, "COMMITTED"))
     )

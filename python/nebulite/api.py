@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import logging
+import fcntl
 import os
 import re
 import shutil
@@ -41,7 +42,67 @@ log = logging.getLogger("nebulite")
 COMMIT_EXPLICITLY = -2
 
 _lock = threading.RLock()
-_VERSION_NAME = re.compile(r"^v[0-9a-zA-Z]+-[0-9]{6,}$")
+_VERSION_NAME = re.compile(r"^v([0-9a-zA-Z]+)-[0-9]{6,}$")
+_RUNS_DIR = os.path.join(".nebulite", "runs")  # under a store's root; readers ignore it
+
+
+def _hold_run_lock(root: str, run_id: str) -> int | None:
+    """Takes an exclusive lock that marks run `run_id` as alive while this process lives
+    (the kernel drops it when the process dies, even by SIGKILL)."""
+    try:
+        os.makedirs(os.path.join(root, _RUNS_DIR), exist_ok=True)
+        fd = os.open(os.path.join(root, _RUNS_DIR, f"{run_id}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return fd
+    except OSError as e:  # a store without locks: dead runs' leftovers are then kept
+        log.warning("nebulite: cannot lock %s (%s); leftovers of dead runs are not removed", root, e)
+        return None
+
+
+def _run_is_alive(root: str, run_id: str) -> bool:
+    path = os.path.join(root, _RUNS_DIR, f"{run_id}.lock")
+    try:
+        fd = os.open(path, os.O_RDWR)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    except OSError:
+        return True  # cannot tell: assume alive, delete nothing
+    finally:
+        os.close(fd)
+    return False
+
+
+def _remove_dead_runs_versions(root: str, run_id: str) -> None:
+    """Deletes uncommitted versions whose run has died (its lock is free): a crash
+    mid-save leaves them invisible to readers but holding space. Versions of live runs,
+    another trainer's or this one's, are never touched."""
+    alive: dict[str, bool] = {run_id: True}
+    for tag in os.listdir(root):
+        tag_dir = os.path.join(root, tag)
+        if tag.startswith(".") or not os.path.isdir(tag_dir):
+            continue
+        for version in os.listdir(tag_dir):
+            m = _VERSION_NAME.match(version)
+            vdir = os.path.join(tag_dir, version)
+            if not m or os.path.exists(os.path.join(vdir, "COMMITTED")):
+                continue
+            rid = m.group(1)
+            if rid not in alive:
+                alive[rid] = _run_is_alive(root, rid)
+            if alive[rid]:
+                continue
+            log.info("nebulite: removing %s, left uncommitted by a run that died", vdir)
+            shutil.rmtree(vdir, ignore_errors=True)
+    for rid, live in alive.items():
+        if not live:
+            try:
+                os.unlink(os.path.join(root, _RUNS_DIR, f"{rid}.lock"))
+            except OSError:
+                pass
 
 
 @dataclass
@@ -78,6 +139,7 @@ class _Session:
             retention=config.num_of_version_in_retention,
             commit_timeout=config.commit_timeout,
         )
+        self._run_lock: int | None = None
         self.counter = 0
         self.pending: list[Any] = []  # record sets whose deferred copies may be running
         self.open: dict[str, _OpenVersion] = {}
@@ -87,25 +149,8 @@ class _Session:
             entries, _ = _core.read_catalog(self.root)
             self.seq = max((e["seq"] for e in entries), default=0)
             if self.rank == 0:
-                self._remove_stale_versions()
-
-    def _remove_stale_versions(self) -> None:
-        """Deletes uncommitted versions left by earlier runs that died mid-save; they are
-        invisible to readers but hold space. (One job writes a store at a time.)"""
-        root = self.root
-        assert root is not None
-        mine = f"v{self.run_id}-"
-        for tag in os.listdir(root):
-            tag_dir = os.path.join(root, tag)
-            if tag.startswith(".") or not os.path.isdir(tag_dir):
-                continue
-            for version in os.listdir(tag_dir):
-                vdir = os.path.join(tag_dir, version)
-                if (not _VERSION_NAME.match(version) or version.startswith(mine)
-                        or os.path.exists(os.path.join(vdir, "COMMITTED"))):
-                    continue
-                log.info("nebulite: removing uncommitted %s left by an earlier run", vdir)
-                shutil.rmtree(vdir, ignore_errors=True)
+                self._run_lock = _hold_run_lock(self.root, self.run_id)
+                _remove_dead_runs_versions(self.root, self.run_id)
 
     @property
     def root(self) -> str | None:
@@ -116,6 +161,15 @@ class _Session:
         v = _OpenVersion(tag, f"v{self.run_id}-{self.counter:06d}")
         self.open[tag] = v
         return v
+
+    def close(self) -> None:
+        """Drains pending persistence, then lets the run's lock go."""
+        try:
+            self.engine.close(self.config.commit_timeout)
+        finally:
+            if self._run_lock is not None:
+                os.close(self._run_lock)
+                self._run_lock = None
 
     def wait_staged(self) -> None:
         """Blocks until deferred copies have landed, then lets their sources go."""
@@ -173,7 +227,7 @@ def init(
     with _lock:
         if _session is not None:
             old, _session = _session, None
-            old.engine.close(config.commit_timeout)
+            old.close()
             _staging.disable()
         _session = _Session(config)
         if config.async_staging:
@@ -185,7 +239,7 @@ def _shutdown() -> None:
     with _lock:
         if _session is not None:
             try:
-                _session.engine.close(_session.config.commit_timeout)
+                _session.close()
             except NebuliteError as e:  # pragma: no cover - reported at exit
                 log.error("nebulite: pending checkpoints could not be persisted: %s", e)
             _staging.disable()
