@@ -491,7 +491,6 @@ def _store_entries(root: str) -> list[dict[str, Any]]:
 def _find_committed(root: str, tag: str, version: str) -> dict[str, Any] | None:
     for e in _store_entries(root):
         if e["tag"] == tag and e["version"] == version:
-            e["names"] = [f[0] for m in _manifests(root, tag, version, e["world_size"]) for f in m["files"]]
             return e
     return None
 

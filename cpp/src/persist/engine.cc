@@ -240,7 +240,6 @@ class EngineImpl : public Engine {
     auto deadline = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                        std::chrono::duration<double>(timeout_seconds));
     std::unique_lock<std::mutex> lock(mu_);
-    const uint64_t failures_before = failures_;
     while (true) {
       bool pending = !queue_.empty() || busy_;
       std::vector<std::shared_ptr<VersionState>> awaiting;
@@ -271,7 +270,6 @@ class EngineImpl : public Engine {
         return Status::Cancelled("flush timed out with checkpoints still being persisted");
       cv_.wait_for(lock, std::chrono::milliseconds(10));
     }
-    (void)failures_before;
     Status result;
     for (auto& v : versions_) {
       if (v->failed && !v->failure_flushed) {
@@ -669,7 +667,6 @@ class EngineImpl : public Engine {
   }
 
   void ReportLocked(Status st) {
-    ++failures_;
     errors_.push_back(std::move(st));
   }
 
@@ -855,7 +852,6 @@ class EngineImpl : public Engine {
   std::deque<Job> queue_;  // GUARDED_BY(mu_)
   std::vector<std::pair<std::shared_ptr<VersionState>, Clock::time_point>> coord_pending_;
   std::vector<Status> errors_;  // GUARDED_BY(mu_)
-  uint64_t failures_ = 0;       // GUARDED_BY(mu_)
   bool busy_ = false;
   bool closed_ = false;
   struct StageJob {
