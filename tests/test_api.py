@@ -574,3 +574,27 @@ def test_init_removes_only_dead_runs_uncommitted_versions(store, monkeypatch, tm
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     assert os.path.exists(live), "a live run's version in progress was deleted"
     assert not os.path.exists(dead), "a dead run's leftover was kept"
+
+
+def test_forked_child_does_not_inherit_the_session(store, tmp_path):
+    nebulite.init(persistent_storage_path=store)
+    nebulite.Checkpoint("parent").save("x", torch.ones(3))
+    child_store = str(tmp_path / "child")
+    pid = os.fork()
+    if pid == 0:  # the child: a fresh start must work, the parent's engine is untouched
+        code = 1
+        try:
+            try:
+                nebulite.Checkpoint("c").save("x", torch.ones(1))
+            except nebulite.NotInitializedError:
+                nebulite.init(persistent_storage_path=child_store)
+                nebulite.Checkpoint("c").save("y", torch.zeros(2))
+                nebulite.flush_persistence()
+                code = 0
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    nebulite.flush_persistence()
+    assert nebulite.get_latest_checkpoint().tag == "parent"
+    assert nebulite.get_latest_checkpoint(persist_path=child_store).load("y").shape == (2,)

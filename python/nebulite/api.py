@@ -248,6 +248,22 @@ def _shutdown() -> None:
 
 atexit.register(_shutdown)
 
+_left_behind: list[_Session] = []
+
+
+def _forget_session_in_child() -> None:
+    """A forked child (a DataLoader worker, say) has the parent's engine without its
+    threads: never use or destroy it there. The child may call init() afresh."""
+    global _session, _lock
+    _lock = threading.RLock()  # another thread of the parent may have held it
+    if _session is not None:
+        _left_behind.append(_session)  # kept alive: its destructor would wait forever
+        _session = None
+    _staging.disable()
+
+
+os.register_at_fork(after_in_child=_forget_session_in_child)
+
 
 def _validate(value: Any, what: str) -> str:
     if not isinstance(value, str):
