@@ -598,3 +598,21 @@ def test_forked_child_does_not_inherit_the_session(store, tmp_path):
     nebulite.flush_persistence()
     assert nebulite.get_latest_checkpoint().tag == "parent"
     assert nebulite.get_latest_checkpoint(persist_path=child_store).load("y").shape == (2,)
+
+
+def test_forked_child_can_load_from_its_own_memory_tier(store, tmp_path):
+    nebulite.init(persistent_storage_path=store)
+    nebulite.Checkpoint("p").save("x", torch.arange(4_000_000))  # > 1 MiB: the copy pool
+    assert nebulite.get_latest_checkpoint().load("x")[-1] == 3_999_999
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            torch.set_num_threads(1)  # libgomp's pool does not survive fork
+            nebulite.init(persistent_storage_path=str(tmp_path / "child"))
+            nebulite.Checkpoint("c").save("y", torch.arange(3_000_000))
+            code = 0 if nebulite.get_latest_checkpoint().load("y")[-1] == 2_999_999 else 2
+        finally:
+            os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0

@@ -5,8 +5,10 @@
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
+#include <unistd.h>
 
 #include <cstring>
+#include <mutex>
 
 #include "nebulite/copy_engine.h"
 #include "nebulite/engine.h"
@@ -20,8 +22,17 @@ namespace {
 using RecordArg =
     std::tuple<std::string, uintptr_t, uint64_t, bool>;  // name, address, size, deferred
 
+// The copy pool for loads, one per process: a forked child gets a fresh one, as the
+// parent's threads do not exist there (the old pool is left alone, never destroyed).
 CopyEngine& LoadCopier() {
-  static CopyEngine* engine = new CopyEngine(0);  // lives for the process
+  static std::mutex mu;
+  static CopyEngine* engine = nullptr;
+  static pid_t owner = 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (engine == nullptr || owner != getpid()) {
+    engine = new CopyEngine(0);
+    owner = getpid();
+  }
   return *engine;
 }
 
