@@ -444,7 +444,7 @@ class EngineImpl : public Engine {
   void EvictLocked(const std::shared_ptr<VersionState>& v) {
     for (auto& o : v->objects) ReleaseObjectLocked(o.get());
     v->evicted = true;
-    if (!v->persist_requested || v->store_committed || v->failed) versions_.remove(v);
+    CollectLocked();
   }
   // Forgets versions that left memory and need nothing more from this engine.
   void CollectLocked() {
