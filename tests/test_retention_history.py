@@ -19,7 +19,10 @@ def _state(value: float) -> dict:
 
 
 def _tag_dirs(store: str) -> list[str]:
-    return sorted(d for d in os.listdir(store) if os.path.isdir(os.path.join(store, d)))
+    return sorted(
+        d for d in os.listdir(store)
+        if os.path.isdir(os.path.join(store, d)) and not d.startswith(".")  # .nebulite: run locks
+    )
 
 
 def _version_dirs(store: str, tag: str) -> list[str]:
