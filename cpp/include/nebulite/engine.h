@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "nebulite/arena.h"
 #include "nebulite/commit.h"
 #include "nebulite/format.h"
 #include "nebulite/status.h"
@@ -46,6 +47,9 @@ struct EngineOptions {
   // Tests: a store to use instead of opening persist_root (which then only names
   // the directory of the history file, and may be empty).
   std::shared_ptr<Storage> storage_override;
+  // An arena shared with other engines (several ranks of one node drawing on one
+  // budget); memory_bytes and prefault are then ignored.
+  std::shared_ptr<Arena> arena;
 };
 
 // 25% of physical memory, rounded to 2 MiB.
@@ -71,6 +75,15 @@ struct RecordRef {
   std::string name;
   uint64_t offset = 0;  // of the payload within the image
   uint64_t size = 0;
+};
+
+// An object's image reserved in the arena, for a writer that fills it itself (another
+// process mapping the same arena, say): record i's payload goes to
+// arena base + arena_offset + records[i].offset.
+struct Reservation {
+  uint64_t arena_offset = 0;
+  uint64_t bytes = 0;  // size of the data file
+  std::vector<RecordRef> records;
 };
 
 // A pinned, sealed object in the arena. The memory stays valid (and the version
@@ -114,6 +127,21 @@ class Engine {
   virtual Result<StageInfo> Stage(const std::string& tag, const std::string& version,
                                   const std::string& name, const std::vector<SourceRecord>& records,
                                   bool persist_now = false) = 0;
+  // Zero-copy staging: Reserve() lays out the object and writes its headers; the caller
+  // fills every payload and then calls Seal(), which makes it a staged object exactly as
+  // Stage() would (persisted at once with `persist_now`). Discard() drops a reservation
+  // that will never be sealed (its writer died). A version cannot be committed while one
+  // of its objects is reserved but not sealed. Reserve() never streams: an image larger
+  // than the free memory (after waiting) is ResourceExhausted.
+  virtual Result<Reservation> Reserve(const std::string& tag, const std::string& version,
+                                      const std::string& name,
+                                      const std::vector<format::RecordSpec>& records) = 0;
+  virtual Status Seal(const std::string& tag, const std::string& version, const std::string& name,
+                      bool persist_now) = 0;
+  virtual Status Discard(const std::string& tag, const std::string& version,
+                         const std::string& name) = 0;
+  virtual const Arena& arena() const = 0;
+
   // Waits until every deferred copy has landed in the arena; the sources of deferred
   // records may change after it returns.
   virtual void WaitStaged() = 0;

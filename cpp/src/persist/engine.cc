@@ -48,10 +48,11 @@ struct ObjectState {
   std::vector<RecordRef> refs;
   ArenaBlock block;
   bool in_memory = false;
-  bool streamed = false;  // already durable in the store
-  bool sealed = true;     // every byte is in the arena (false while a deferred copy runs)
-  bool queued = false;    // a persist job for it is queued or running
-  bool written = false;   // its data file is durable (file is valid)
+  bool streamed = false;         // already durable in the store
+  bool sealed = true;            // every byte is in the arena (false while a deferred copy runs)
+  bool awaiting_writer = false;  // reserved by Reserve(), not yet sealed by its writer
+  bool queued = false;           // a persist job for it is queued or running
+  bool written = false;          // its data file is durable (file is valid)
   uint64_t bytes = 0;
   double blocking_seconds = 0;
   ManifestFile file;  // filled once the data file is durable
@@ -101,7 +102,7 @@ class LeaseImpl : public ObjectLease {
 
 class EngineImpl : public Engine {
  public:
-  EngineImpl(EngineOptions o, std::unique_ptr<Arena> arena, std::shared_ptr<Storage> storage)
+  EngineImpl(EngineOptions o, std::shared_ptr<Arena> arena, std::shared_ptr<Storage> storage)
       : opts_(std::move(o)),
         arena_(std::move(arena)),
         storage_(std::move(storage)),
@@ -117,32 +118,25 @@ class EngineImpl : public Engine {
 
   ~EngineImpl() override { (void)Close(60); }
 
-  Result<StageInfo> Stage(const std::string& tag, const std::string& version,
-                          const std::string& name, const std::vector<SourceRecord>& records,
-                          bool persist_now) override {
-    auto t0 = Clock::now();
+  // Checks the names, plans the data file and finds the (uncommitted) version.
+  Result<std::unique_ptr<ObjectState>> PlanObject(const std::string& tag,
+                                                  const std::string& version,
+                                                  const std::string& name,
+                                                  const std::vector<format::RecordSpec>& specs,
+                                                  std::shared_ptr<VersionState>* v) {
     NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(tag, "tag"));
     NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(version, "version"));
     NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(name, "name"));
-    std::vector<format::RecordSpec> specs;
-    specs.reserve(records.size());
-    for (const auto& r : records) {
-      if (r.size > 0 && r.data == nullptr)
-        return Status::InvalidArgument("record " + r.name + " has no data");
-      specs.push_back({r.name, r.size});
-    }
     NEBULITE_ASSIGN_OR_RETURN(auto layout, format::ArchiveLayout::Plan(specs));
-
-    std::shared_ptr<VersionState> v;
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (closed_) return Status::FailedPrecondition("the engine is closed");
-      v = GetOrCreateLocked(tag, version);
-      if (v->committed) {
+      *v = GetOrCreateLocked(tag, version);
+      if ((*v)->committed) {
         return Status::FailedPrecondition("version " + version + " of tag '" + tag +
                                           "' is already committed");
       }
-      if (v->Find(name) != nullptr) {
+      if ((*v)->Find(name) != nullptr) {
         return Status::AlreadyExists("'" + name + "' was already saved in checkpoint '" + tag +
                                      "'");
       }
@@ -152,6 +146,22 @@ class EngineImpl : public Engine {
     obj->bytes = layout.file_size();
     for (const auto& p : layout.records()) obj->refs.push_back({p.name, p.data_offset, p.size});
     obj->layout = std::move(layout);
+    return obj;
+  }
+
+  Result<StageInfo> Stage(const std::string& tag, const std::string& version,
+                          const std::string& name, const std::vector<SourceRecord>& records,
+                          bool persist_now) override {
+    auto t0 = Clock::now();
+    std::vector<format::RecordSpec> specs;
+    specs.reserve(records.size());
+    for (const auto& r : records) {
+      if (r.size > 0 && r.data == nullptr)
+        return Status::InvalidArgument("record " + r.name + " has no data");
+      specs.push_back({r.name, r.size});
+    }
+    std::shared_ptr<VersionState> v;
+    NEBULITE_ASSIGN_OR_RETURN(auto obj, PlanObject(tag, version, name, specs, &v));
 
     std::vector<CopySpan> deferred;
     auto block = ReserveForImage(obj->layout.file_size());
@@ -190,6 +200,61 @@ class EngineImpl : public Engine {
     return info;
   }
 
+  Result<Reservation> Reserve(const std::string& tag, const std::string& version,
+                              const std::string& name,
+                              const std::vector<format::RecordSpec>& specs) override {
+    auto t0 = Clock::now();
+    std::shared_ptr<VersionState> v;
+    NEBULITE_ASSIGN_OR_RETURN(auto obj, PlanObject(tag, version, name, specs, &v));
+    NEBULITE_ASSIGN_OR_RETURN(obj->block, ReserveForImage(obj->layout.file_size()));
+    obj->in_memory = true;
+    uint8_t* image = arena_->base() + obj->block.offset;
+    const auto& place = obj->layout.records();
+    for (size_t i = 0; i < place.size(); ++i) {
+      std::string h = obj->layout.LocalHeader(i, 0);
+      std::memcpy(image + place[i].header_offset, h.data(), h.size());
+    }
+    Reservation r{obj->block.offset, obj->bytes, obj->refs};
+    obj->blocking_seconds = Seconds(t0, Clock::now());
+    obj->sealed = false;
+    obj->awaiting_writer = true;
+    std::lock_guard<std::mutex> lock(mu_);
+    ++v->pins;  // held until Seal() or Discard()
+    v->objects.push_back(std::move(obj));
+    return r;
+  }
+
+  Status Seal(const std::string& tag, const std::string& version, const std::string& name,
+              bool persist_now) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto v = FindLocked(tag, version);
+    ObjectState* o = v ? v->Find(name) : nullptr;
+    if (!o || !o->awaiting_writer)
+      return Status::NotFound("no reservation of '" + name + "' in '" + tag + "'");
+    o->awaiting_writer = false;
+    o->sealed = true;
+    --v->pins;
+    stage_cv_.notify_all();
+    if (persist_now && storage_) EnqueueObjectLocked(v, o);
+    return Status::OK();
+  }
+
+  Status Discard(const std::string& tag, const std::string& version,
+                 const std::string& name) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto v = FindLocked(tag, version);
+    ObjectState* o = v ? v->Find(name) : nullptr;
+    if (!o || !o->awaiting_writer)
+      return Status::NotFound("no reservation of '" + name + "' in '" + tag + "'");
+    ReleaseObjectLocked(o);
+    --v->pins;
+    v->objects.erase(std::find_if(v->objects.begin(), v->objects.end(),
+                                  [&](const auto& p) { return p.get() == o; }));
+    return Status::OK();
+  }
+
+  const Arena& arena() const override { return *arena_; }
+
   bool MustPersist(const std::string& tag, const std::string& version) override {
     std::lock_guard<std::mutex> lock(mu_);
     auto v = FindLocked(tag, version);
@@ -202,6 +267,10 @@ class EngineImpl : public Engine {
     auto v = FindLocked(tag, version);
     if (!v) v = GetOrCreateLocked(tag, version);  // a rank that saved nothing still commits
     if (v->committed) return Status::OK();
+    for (auto& o : v->objects)
+      if (o->awaiting_writer)
+        return Status::FailedPrecondition("'" + o->name + "' of checkpoint '" + tag +
+                                          "' is reserved but not sealed");
     if (v->must_persist && !persist) {
       return Status::FailedPrecondition("checkpoint '" + tag +
                                         "' streamed to storage and must be persisted");
@@ -287,8 +356,15 @@ class EngineImpl : public Engine {
     auto v = FindLocked(tag, version);
     if (!v || v->committed) return;
     v->abandoned = true;  // queued jobs skip it and release what they hold
-    for (auto& o : v->objects)
-      if (!o->queued && o->sealed) ReleaseObjectLocked(o.get());
+    for (auto& o : v->objects) {
+      if (o->awaiting_writer) {  // its writer will never seal it now
+        o->awaiting_writer = false;
+        --v->pins;
+        ReleaseObjectLocked(o.get());
+      } else if (!o->queued && o->sealed) {
+        ReleaseObjectLocked(o.get());
+      }
+    }
     versions_.remove(v);
   }
 
@@ -666,9 +742,7 @@ class EngineImpl : public Engine {
     return Status::OK();
   }
 
-  void ReportLocked(Status st) {
-    errors_.push_back(std::move(st));
-  }
+  void ReportLocked(Status st) { errors_.push_back(std::move(st)); }
 
   void PersisterLoop() {
     std::unique_lock<std::mutex> lock(mu_);
@@ -836,7 +910,7 @@ class EngineImpl : public Engine {
 
   friend class LeaseImpl;
   EngineOptions opts_;
-  std::unique_ptr<Arena> arena_;
+  std::shared_ptr<Arena> arena_;
   std::shared_ptr<Storage> storage_;
   CopyEngine copy_;
   CopyEngine io_;  // used as the io thread pool
@@ -887,7 +961,10 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   if (!storage && !o.persist_root.empty()) {
     NEBULITE_ASSIGN_OR_RETURN(storage, OpenPosixStorage(o.persist_root, o.direct_io));
   }
-  NEBULITE_ASSIGN_OR_RETURN(auto arena, Arena::Create(o.memory_bytes, o.prefault));
+  std::shared_ptr<Arena> arena = o.arena;
+  if (!arena) {
+    NEBULITE_ASSIGN_OR_RETURN(arena, Arena::Create(o.memory_bytes, o.prefault));
+  }
   return std::unique_ptr<Engine>(
       new EngineImpl(std::move(o), std::move(arena), std::move(storage)));
 }

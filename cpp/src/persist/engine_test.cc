@@ -281,3 +281,86 @@ TEST(EngineTest, StoreFailureIsReportedAndEarlierCommitsStayIntact) {
 
 }  // namespace
 }  // namespace nebulite
+
+namespace nebulite {
+namespace {
+
+std::vector<format::RecordSpec> Specs(const Object& o) {
+  std::vector<format::RecordSpec> specs;
+  for (const auto& r : o.records) specs.push_back({r.name, r.size});
+  return specs;
+}
+
+// Fills a reservation as another process mapping the arena would.
+void Fill(const Engine& e, const Reservation& r, const Object& o) {
+  uint8_t* image = e.arena().base() + r.arena_offset;
+  for (size_t i = 0; i < o.records.size(); ++i)
+    std::memcpy(image + r.records[i].offset, o.payloads[i].data(), o.payloads[i].size());
+}
+
+TEST(EngineReserveTest, ReservedAndFilledObjectsPersistLikeStagedOnes) {
+  TempDir dir;
+  auto e = Engine::Open(Options(dir.path()));
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  auto obj = MakeObject({300, 70000, 5 << 20}, 4);
+  auto r = engine.Reserve("t", "v", "model", Specs(obj));
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_EQ(r->arena_offset % 4096, 0u);
+  ASSERT_EQ(r->records.size(), 3u);
+  EXPECT_EQ(engine.Commit("t", "v", 1, true).code(), StatusCode::kFailedPrecondition);
+  Fill(engine, *r, obj);
+  ASSERT_TRUE(engine.Seal("t", "v", "model", /*persist_now=*/true).ok());
+  EXPECT_EQ(engine.Seal("t", "v", "model", true).code(), StatusCode::kNotFound);
+  ASSERT_TRUE(engine.Commit("t", "v", 1, true).ok());
+  ASSERT_TRUE(engine.Flush(60).ok());
+  ExpectStored(engine.storage(), DataFilePath("t", "v", 0, "model"), obj);
+  auto lease = engine.Pin("t", "v", "model");
+  ASSERT_TRUE(lease.ok());
+  EXPECT_EQ(std::memcmp((*lease)->data() + (*lease)->records()[1].offset, obj.payloads[1].data(),
+                        obj.payloads[1].size()),
+            0);
+}
+
+TEST(EngineReserveTest, DiscardAndAbandonGiveTheMemoryBack) {
+  auto e = Engine::Open(Options("", 16 << 20));
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  auto obj = MakeObject({100, 3 << 20}, 1);
+  ASSERT_TRUE(engine.Reserve("t", "v", "a", Specs(obj)).ok());
+  ASSERT_TRUE(engine.Reserve("t", "v", "b", Specs(obj)).ok());
+  EXPECT_GT(engine.memory_used(), 6u << 20);
+  ASSERT_TRUE(engine.Discard("t", "v", "a").ok());
+  EXPECT_EQ(engine.Discard("t", "v", "a").code(), StatusCode::kNotFound);
+  engine.Abandon("t", "v");  // "b" was never sealed: its writer died
+  EXPECT_EQ(engine.memory_used(), 0u);
+  EXPECT_TRUE(engine.Versions().empty());
+}
+
+TEST(EngineReserveTest, EnginesOfOneNodeShareOneBudget) {
+  TempDir dir;
+  auto arena = Arena::Create(8 << 20, false, /*shared=*/true);
+  ASSERT_TRUE(arena.ok());
+  std::shared_ptr<Arena> shared = std::move(arena).value();
+  EXPECT_GE(shared->fd(), 0);
+  auto o0 = Options(dir.path());
+  o0.world_size = 2;
+  o0.arena = shared;
+  auto o1 = o0;
+  o1.rank = 1;
+  auto e0 = Engine::Open(o0), e1 = Engine::Open(o1);
+  ASSERT_TRUE(e0.ok() && e1.ok());
+  auto a = MakeObject({100, 3 << 20}, 1), b = MakeObject({100, 3 << 20}, 2);
+  ASSERT_TRUE((*e0)->Stage("s", "v", "a", a.records).ok());
+  ASSERT_TRUE((*e1)->Stage("s", "v", "b", b.records).ok());
+  EXPECT_EQ((*e0)->memory_used(), (*e1)->memory_used());  // one budget, seen by both
+  EXPECT_GT(shared->used(), 6u << 20);
+  ASSERT_TRUE((*e0)->Commit("s", "v", 1, true).ok());
+  ASSERT_TRUE((*e1)->Commit("s", "v", 1, true).ok());
+  ASSERT_TRUE((*e0)->Flush(60).ok());
+  ASSERT_TRUE((*e1)->Flush(60).ok());
+  ExpectStored((*e0)->storage(), DataFilePath("s", "v", 1, "b"), b);
+}
+
+}  // namespace
+}  // namespace nebulite
