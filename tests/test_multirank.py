@@ -143,12 +143,25 @@ def test_ranks_save_commit_and_load_each_others_objects(dist_run):
 
 
 @pytest.mark.xfail(strict=True, reason=(
-    "needs the node agent: the embedded engine is per process, so before an object is "
-    "persisted nothing serves it to another local rank from tier 1 (DESIGN.md section 2)"))
+    "the embedded engine (no agent) is per process: before an object is persisted nothing "
+    "serves it to another rank; the agent does (see the test below)"))
 def test_every_rank_loads_rank0_model_straight_after_commit(dist_run):
     store, world, results = dist_run
     for r in results:
         assert r["model_before_flush"] == ["ok"] * 3, (r["rank"], r["model_before_flush"])
+
+
+def test_with_the_agent_every_rank_loads_rank0_model_straight_after_commit(tmp_path):
+    """With the node agent, tier 1 is shared by the node's ranks: no flush needed."""
+    store = str(tmp_path / "ckpt")
+    env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=str(tmp_path / "rt"),
+                     NEBULITE_AGENT_IDLE_EXIT="1")
+    results = _run_ranks("dist", store, 2, 3, 0, env=env)
+    for r in results:
+        assert r["model_before_flush"] == ["ok"] * 3, (r["rank"], r["model_before_flush"])
+        assert r["loaded"] == ["t1", "t2", "t3"]
+    nebulite.api._reset_for_tests()
+    _assert_loadable(store, "t3", 2, 3)
 
 
 def test_retention_across_two_ranks(store):

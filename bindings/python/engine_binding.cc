@@ -90,13 +90,30 @@ void RegisterEngine(nb::module_& m) {
         LoadCopier().Copy({{reinterpret_cast<void*>(dst), l.data() + r.offset, r.size}});
       });
 
+  nb::class_<Arena>(m, "Arena")
+      .def_static(
+          "create",
+          [](uint64_t capacity, bool prefault, bool shared) {
+            Result<std::unique_ptr<Arena>> a = Status::Internal("unset");
+            {
+              nb::gil_scoped_release release;
+              a = Arena::Create(capacity, prefault, shared);
+            }
+            return std::shared_ptr<Arena>(ValueOrThrow(std::move(a)));
+          },
+          nb::arg("capacity"), nb::arg("prefault") = true, nb::arg("shared") = true)
+      .def_prop_ro("fd", &Arena::fd)
+      .def_prop_ro("capacity", &Arena::capacity)
+      .def_prop_ro("used", &Arena::used)
+      .def_prop_ro("address", [](const Arena& a) { return reinterpret_cast<uintptr_t>(a.base()); });
+
   nb::class_<Engine>(m, "Engine")
       .def_static(
           "open",
           [](const std::string& persist_root, uint32_t rank, uint32_t world_size,
              uint64_t memory_bytes, bool prefault, int copy_threads, int io_threads, bool direct_io,
-             uint32_t retention, double commit_timeout, double reserve_timeout,
-             bool write_history) {
+             uint32_t retention, double commit_timeout, double reserve_timeout, bool write_history,
+             std::shared_ptr<Arena> arena) {
             EngineOptions o;
             o.persist_root = persist_root;
             o.rank = rank;
@@ -110,6 +127,7 @@ void RegisterEngine(nb::module_& m) {
             o.commit_timeout_seconds = commit_timeout;
             o.reserve_timeout_seconds = reserve_timeout;
             o.write_history = write_history;
+            o.arena = std::move(arena);
             Result<std::unique_ptr<Engine>> e = Status::Internal("unset");
             {
               nb::gil_scoped_release release;
@@ -121,7 +139,7 @@ void RegisterEngine(nb::module_& m) {
           nb::arg("memory_bytes") = 0, nb::arg("prefault") = true, nb::arg("copy_threads") = 0,
           nb::arg("io_threads") = 0, nb::arg("direct_io") = true, nb::arg("retention") = 0,
           nb::arg("commit_timeout") = 600.0, nb::arg("reserve_timeout") = 600.0,
-          nb::arg("write_history") = true)
+          nb::arg("write_history") = true, nb::arg("arena") = nb::none())
       .def(
           "stage",
           [](Engine& e, const std::string& tag, const std::string& version, const std::string& name,
@@ -140,6 +158,27 @@ void RegisterEngine(nb::module_& m) {
           },
           nb::arg("tag"), nb::arg("version"), nb::arg("name"), nb::arg("records"),
           nb::arg("persist_now") = false)
+      .def(
+          "reserve",
+          [](Engine& e, const std::string& tag, const std::string& version, const std::string& name,
+             const std::vector<std::tuple<std::string, uint64_t>>& records) {
+            std::vector<format::RecordSpec> specs;
+            for (const auto& [n, size] : records) specs.push_back({n, size});
+            Result<Reservation> r = Status::Internal("unset");
+            {
+              nb::gil_scoped_release release;
+              r = e.Reserve(tag, version, name, specs);
+            }
+            Reservation res = ValueOrThrow(std::move(r));
+            std::vector<std::tuple<std::string, uint64_t, uint64_t>> out;
+            for (const auto& ref : res.records) out.emplace_back(ref.name, ref.offset, ref.size);
+            return std::make_tuple(res.arena_offset, res.bytes, out);
+          })
+      .def("seal", [](Engine& e, const std::string& tag, const std::string& version,
+                      const std::string& name,
+                      bool persist_now) { ThrowIfError(e.Seal(tag, version, name, persist_now)); })
+      .def("discard", [](Engine& e, const std::string& tag, const std::string& version,
+                         const std::string& name) { ThrowIfError(e.Discard(tag, version, name)); })
       .def("must_persist", &Engine::MustPersist)
       .def("wait_staged",
            [](Engine& e) {

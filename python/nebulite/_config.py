@@ -35,6 +35,8 @@ class Config:
     prefault: bool = True
     commit_timeout: float = 600.0
     async_staging: bool = False
+    agent: bool = False
+    agent_idle_exit: float = 60.0
     rank: int | None = None
     world_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -85,6 +87,15 @@ class Config:
         for key in ("direct_io", "prefault"):
             if key in more:
                 setattr(c, key, bool(more.pop(key)))
+        agent = more.pop("agent", None)
+        if agent is None:
+            agent = env.get("NEBULITE_AGENT", "0").lower() in ("1", "true", "yes", "on")
+        c.agent = bool(agent)
+        idle = more.pop("agent_idle_exit", None)
+        if idle is None:
+            idle = env.get("NEBULITE_AGENT_IDLE_EXIT")
+        if idle is not None:
+            c.agent_idle_exit = _parse_number("agent_idle_exit", idle, float)
         flag = more.pop("async_staging", None)
         if flag is None:
             flag = env.get("NEBULITE_ASYNC_STAGING", "0").lower() in ("1", "true", "yes", "on")

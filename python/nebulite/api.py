@@ -127,7 +127,20 @@ class _Session:
                 "value in every rank (or initialise torch.distributed before nebulite.init)"
             )
         self.run_id = run_id or _dist.agree_on_run_id()
-        self.engine = _core.Engine.open(
+        if config.agent:
+            from .agent import client
+
+            sock = client.connect_or_start(
+                config.persistent_storage_path, config.memory_buffer_size,
+                config.num_of_version_in_retention, config.commit_timeout, config.io_threads,
+                config.agent_idle_exit)
+            self.engine = client.AgentEngine(sock, self.rank, self.world_size)
+        else:
+            self.engine = self._open_embedded(config)
+        self._finish_init()
+
+    def _open_embedded(self, config: Config) -> Any:
+        return _core.Engine.open(
             config.persistent_storage_path or "",
             rank=self.rank,
             world_size=self.world_size,
@@ -139,16 +152,22 @@ class _Session:
             retention=config.num_of_version_in_retention,
             commit_timeout=config.commit_timeout,
         )
+
+    def _finish_init(self) -> None:
         self._run_lock: int | None = None
         self.counter = 0
         self.pending: list[Any] = []  # record sets whose deferred copies may be running
         self.open: dict[str, _OpenVersion] = {}
         self.last_persist: float | None = None
         self.seq = 0
+        # Commit order continues after everything visible: the store and the agent's memory.
+        self.seq = max((v["seq"] for v in self.engine.versions()), default=0)
         if self.root:
             entries, _ = _core.read_catalog(self.root)
-            self.seq = max((e["seq"] for e in entries), default=0)
-            if self.rank == 0:
+            self.seq = max([self.seq] + [e["seq"] for e in entries])
+            # With an agent, a dead trainer's sealed versions are still being persisted by
+            # the agent: only the embedded engine cleans up after dead runs.
+            if self.rank == 0 and not self.config.agent:
                 self._run_lock = _hold_run_lock(self.root, self.run_id)
                 _remove_dead_runs_versions(self.root, self.run_id)
 

@@ -1,0 +1,69 @@
+"""Wire format between trainers and the agent (version 1).
+
+Every message is a 4-byte little-endian length followed by that many bytes of UTF-8
+JSON (an object). Requests carry ``op``; replies carry ``ok`` and either the result
+fields or ``error: {type, message}``. The reply to ``hello`` also carries the arena's
+file descriptor (SCM_RIGHTS). Messages over MAX_MESSAGE bytes, or that are not JSON
+objects, are protocol errors: the agent answers with an error and keeps serving.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from typing import Any
+
+VERSION = 1
+MAX_MESSAGE = 16 << 20
+_LEN = struct.Struct("<I")
+
+
+class ProtocolError(Exception):
+    """A malformed or out-of-range message."""
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray()
+    while len(buf) < n:
+        chunk = sock.recv(n - len(buf))
+        if not chunk:
+            raise ConnectionError("peer closed the connection")
+        buf += chunk
+    return bytes(buf)
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    body = json.dumps(message).encode()
+    if len(body) > MAX_MESSAGE:
+        raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
+    data = _LEN.pack(len(body)) + body
+    if fds:
+        sent = socket.send_fds(sock, [data], fds)
+        if sent < len(data):
+            sock.sendall(data[sent:])
+    else:
+        sock.sendall(data)
+
+
+def recv(sock: socket.socket, with_fds: bool = False) -> tuple[dict[str, Any], list[int]]:
+    fds: list[int] = []
+    if with_fds:
+        head, fds, _, _ = socket.recv_fds(sock, _LEN.size, 4)
+        if not head:
+            raise ConnectionError("peer closed the connection")
+        if len(head) < _LEN.size:
+            head += _recv_exact(sock, _LEN.size - len(head))
+    else:
+        head = _recv_exact(sock, _LEN.size)
+    (n,) = _LEN.unpack(head)
+    if n > MAX_MESSAGE:
+        raise ProtocolError(f"message of {n} bytes exceeds {MAX_MESSAGE}")
+    body = _recv_exact(sock, n)
+    try:
+        message = json.loads(body)
+    except ValueError as e:
+        raise ProtocolError(f"message is not JSON: {e}") from None
+    if not isinstance(message, dict):
+        raise ProtocolError("message is not a JSON object")
+    return message, fds

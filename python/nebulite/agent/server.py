@@ -1,0 +1,268 @@
+"""The agent process: serves the trainers of one node and storage scope.
+
+It owns one shared arena (a memfd handed to each trainer at ``hello``, which maps it and
+copies tensor bytes straight into it) and one engine per rank, all drawing on that arena.
+The control channel carries only reservations, seals, commits and queries. When a
+trainer disconnects, whatever it had reserved but not sealed is discarded; what it had
+sealed is persisted and committed as if it were still there. The agent exits by itself
+once no trainer has been attached for ``idle_exit`` seconds and nothing is left to persist.
+Only processes of the agent's own user may connect (the socket is 0600 in a 0700
+directory, and the peer's uid is checked).
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import socket
+import struct
+import sys
+import threading
+import time
+from typing import Any
+
+from .. import _core, errors
+from . import protocol
+
+log = logging.getLogger("nebulite.agent")
+
+
+class _Connection:
+    def __init__(self, sock: socket.socket) -> None:
+        self.sock = sock
+        self.engine: Any = None
+        self.reserved: set[tuple[str, str, str]] = set()
+        self.leases: dict[int, Any] = {}
+        self.next_lease = 1
+
+
+class Agent:
+    def __init__(self, socket_path: str, root: str, memory: int, retention: int,
+                 commit_timeout: float, io_threads: int, idle_exit: float) -> None:
+        self.socket_path = socket_path
+        self.root = root
+        self.retention = retention
+        self.commit_timeout = commit_timeout
+        self.io_threads = io_threads
+        self.idle_exit = idle_exit
+        self.arena = _core.Arena.create(memory or _core.default_memory_bytes(), True, True)
+        self.engines: dict[tuple[int, int], Any] = {}
+        self.lock = threading.Lock()
+        self.clients = 0
+        self.last_detach = time.monotonic()
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old = os.umask(0o177)
+        try:
+            if os.path.exists(socket_path):
+                os.unlink(socket_path)
+            self.listener.bind(socket_path)
+        finally:
+            os.umask(old)
+        os.chmod(socket_path, 0o600)
+        self.listener.listen(64)
+        self.listener.settimeout(0.5)
+
+    def engine_for(self, rank: int, world_size: int) -> Any:
+        with self.lock:
+            key = (rank, world_size)
+            if key not in self.engines:
+                self.engines[key] = _core.Engine.open(
+                    self.root, rank=rank, world_size=world_size, arena=self.arena,
+                    io_threads=self.io_threads, retention=self.retention,
+                    commit_timeout=self.commit_timeout)
+            return self.engines[key]
+
+    def _idle(self) -> bool:
+        with self.lock:
+            if self.clients or time.monotonic() - self.last_detach < self.idle_exit:
+                return False
+            engines = list(self.engines.values())
+        for e in engines:
+            try:
+                e.flush(0.01)  # raises while anything is still to be persisted
+            except errors.NebuliteError:
+                return False
+        return True
+
+    def serve_forever(self) -> None:
+        log.info("nebulite agent %d serving %s", os.getpid(), self.socket_path)
+        try:
+            while not self._idle():
+                try:
+                    conn, _ = self.listener.accept()
+                except socket.timeout:
+                    continue
+                threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+        finally:
+            self.listener.close()
+            try:
+                os.unlink(self.socket_path)
+            except OSError:
+                pass
+            for e in self.engines.values():
+                e.close(self.commit_timeout)
+
+    def _pin_any_rank(self, engine: Any, tag: str, version: str, name: str) -> Any:
+        """Any local rank may load any object of a version: DeepSpeed saves the model on
+        rank 0 and every rank loads it straight after commit()."""
+        try:
+            return engine.pin(tag, version, name)
+        except errors.NotFoundError:
+            with self.lock:
+                others = [e for e in self.engines.values() if e is not engine]
+            for other in others:
+                try:
+                    return other.pin(tag, version, name)
+                except errors.NotFoundError:
+                    continue
+            raise
+
+    # -- one trainer ---------------------------------------------------------
+
+    def _serve(self, sock: socket.socket) -> None:
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        _, uid, _ = struct.unpack("3i", creds)
+        if uid != os.getuid():
+            log.warning("refusing a connection from uid %d", uid)
+            sock.close()
+            return
+        c = _Connection(sock)
+        with self.lock:
+            self.clients += 1
+        try:
+            while True:
+                try:
+                    request, _ = protocol.recv(sock)
+                except protocol.ProtocolError as e:
+                    protocol.send(sock, _error(e))
+                    if "exceeds" in str(e):
+                        return  # the stream cannot be resynchronised
+                    continue
+                if request.get("op") == "bye":
+                    return
+                reply, fds = self._dispatch(c, request)
+                protocol.send(sock, reply, fds)
+        except (ConnectionError, OSError):
+            pass
+        finally:
+            self._detach(c)
+
+    def _detach(self, c: _Connection) -> None:
+        for tag, version, name in c.reserved:  # its writer died mid-staging
+            try:
+                c.engine.discard(tag, version, name)
+            except errors.NebuliteError:
+                pass
+        c.leases.clear()
+        c.sock.close()
+        with self.lock:
+            self.clients -= 1
+            self.last_detach = time.monotonic()
+
+    def _dispatch(self, c: _Connection, r: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        op = r.get("op")
+        try:
+            if op == "hello":
+                if r.get("version") != protocol.VERSION:
+                    raise errors.UnsupportedVersionError(f"protocol version {r.get('version')!r}")
+                rank, world = _int(r, "rank"), _int(r, "world_size")
+                if world < 1 or not 0 <= rank < world:
+                    raise errors.InvalidArgumentError(f"rank {rank} outside world size {world}")
+                c.engine = self.engine_for(rank, world)
+                return ({"ok": True, "capacity": self.arena.capacity, "pid": os.getpid()},
+                        [self.arena.fd])
+            if c.engine is None:
+                raise errors.FailedPreconditionError("say hello first")
+            e = c.engine
+            if op == "reserve":
+                key = (_str(r, "tag"), _str(r, "version"), _str(r, "name"))
+                specs = [(str(n), int(s)) for n, s in r.get("records", [])]
+                offset, nbytes, records = e.reserve(*key, specs)
+                c.reserved.add(key)
+                return {"ok": True, "offset": offset, "bytes": nbytes, "records": records}, []
+            if op == "seal":
+                key = (_str(r, "tag"), _str(r, "version"), _str(r, "name"))
+                e.seal(*key, bool(r.get("persist_now")))
+                c.reserved.discard(key)
+                return {"ok": True}, []
+            if op == "discard":
+                key = (_str(r, "tag"), _str(r, "version"), _str(r, "name"))
+                e.discard(*key)
+                c.reserved.discard(key)
+                return {"ok": True}, []
+            if op == "commit":
+                e.commit(_str(r, "tag"), _str(r, "version"), _int(r, "seq"), bool(r.get("persist")))
+                return {"ok": True}, []
+            if op == "persist":
+                e.persist(_str(r, "tag"), _str(r, "version"))
+                return {"ok": True}, []
+            if op == "flush":
+                e.flush(float(r.get("timeout", 600)))
+                return {"ok": True}, []
+            if op == "abandon":
+                e.abandon(_str(r, "tag"), _str(r, "version"))
+                return {"ok": True}, []
+            if op == "must_persist":
+                return {"ok": True, "value": e.must_persist(_str(r, "tag"), _str(r, "version"))}, []
+            if op == "versions":
+                return {"ok": True, "versions": list(e.versions())}, []
+            if op == "pin":
+                lease = self._pin_any_rank(e, _str(r, "tag"), _str(r, "version"), _str(r, "name"))
+                lease_id = c.next_lease
+                c.next_lease += 1
+                c.leases[lease_id] = lease
+                return {"ok": True, "lease": lease_id,
+                        "offset": lease.address - self.arena.address,
+                        "records": lease.records()}, []
+            if op == "unpin":
+                c.leases.pop(_int(r, "lease"), None)
+                return {"ok": True}, []
+            if op == "take_errors":
+                return {"ok": True, "errors": e.take_errors()}, []
+            if op == "history":
+                return {"ok": True, "rows": list(e.history())}, []
+            if op == "memory":
+                return {"ok": True, "capacity": self.arena.capacity, "used": self.arena.used}, []
+            raise errors.InvalidArgumentError(f"unknown op {op!r}")
+        except (errors.NebuliteError, ValueError, TypeError, KeyError) as ex:
+            return _error(ex), []
+
+
+def _error(ex: BaseException) -> dict[str, Any]:
+    kind = type(ex).__name__ if isinstance(ex, errors.NebuliteError) else "InvalidArgumentError"
+    return {"ok": False, "error": {"type": kind, "message": str(ex)}}
+
+
+def _str(r: dict[str, Any], key: str) -> str:
+    v = r.get(key)
+    if not isinstance(v, str):
+        raise errors.InvalidArgumentError(f"{key} must be a string")
+    return v
+
+
+def _int(r: dict[str, Any], key: str) -> int:
+    v = r.get(key)
+    if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 63:
+        raise errors.InvalidArgumentError(f"{key} must be a non-negative integer")
+    return v
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="nebulite agent", description=__doc__)
+    p.add_argument("--socket", required=True)
+    p.add_argument("--root", default="", help="persistent storage path ('' = memory only)")
+    p.add_argument("--memory", type=int, default=0, help="bytes of shared memory (0 = default)")
+    p.add_argument("--retention", type=int, default=2)
+    p.add_argument("--commit-timeout", type=float, default=600.0)
+    p.add_argument("--io-threads", type=int, default=0)
+    p.add_argument("--idle-exit", type=float, default=60.0)
+    a = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    Agent(a.socket, a.root, a.memory, a.retention, a.commit_timeout, a.io_threads,
+          a.idle_exit).serve_forever()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

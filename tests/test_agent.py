@@ -1,0 +1,189 @@
+"""The node agent (init(agent=True)): a shared-memory tier that outlives the trainer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import nebulite
+from nebulite.agent import client, protocol
+
+
+@pytest.fixture
+def agent_env(tmp_path, monkeypatch):
+    """A private runtime directory (so each test has its own agent), killed afterwards."""
+    rt = tmp_path / "rt"
+    monkeypatch.setenv("NEBULITE_RUNTIME_DIR", str(rt))
+    yield rt
+    for log in rt.glob("agent-*.log"):
+        for line in log.read_text().splitlines():
+            if "nebulite agent" in line and "serving" in line:
+                pid = int(line.split("nebulite agent ")[1].split()[0])
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+def _child(code: str, env_extra: dict[str, str] | None = None, timeout: float = 120):
+    env = dict(os.environ, **(env_extra or {}))
+    return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def _committed(store: str) -> list[str]:
+    return [e["tag"] for e in nebulite._core.read_catalog(store)[0]]
+
+
+def test_save_and_load_through_the_agent(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
+    state = {"w": torch.arange(100_000, dtype=torch.float32), "step": 3}
+    nebulite.Checkpoint("a").save("state", state)
+    latest = nebulite.get_latest_checkpoint()
+    assert latest.tag == "a" and latest._committed["tier"] == "memory"
+    got = latest.load("state")
+    assert got["step"] == 3 and torch.equal(got["w"], state["w"])
+    nebulite.flush_persistence()
+    assert _committed(store) == ["a"]
+    assert torch.equal(torch.load(nebulite.get_latest_checkpoint_path("state"))["w"], state["w"])
+
+
+def test_a_restarted_trainer_loads_from_the_agents_memory(agent_env, store):
+    # Interval of an hour: the first checkpoint is persisted, the second stays in memory.
+    code = f"""
+        import torch, nebulite
+        nebulite.init(persistent_storage_path={store!r}, persistent_time_interval=3600,
+                      agent=True, memory_buffer_size=64 << 20)
+        nebulite.Checkpoint("first").save("x", torch.full((1000,), 1.0))
+        nebulite.flush_persistence()
+        nebulite.Checkpoint("second").save("x", torch.full((1000,), 2.0))
+    """
+    r = _child(code)
+    assert r.returncode == 0, r.stderr
+    assert _committed(store) == ["first"]  # "second" exists only in the agent's memory
+    nebulite.init(persistent_storage_path=store, persistent_time_interval=3600, agent=True)
+    latest = nebulite.get_latest_checkpoint()
+    assert latest.tag == "second" and latest._committed["tier"] == "memory"
+    assert torch.equal(latest.load("x"), torch.full((1000,), 2.0))
+
+
+def test_the_agent_commits_after_the_trainer_is_killed(agent_env, store):
+    code = f"""
+        import os, signal, torch, nebulite
+        nebulite.init(persistent_storage_path={store!r}, agent=True, memory_buffer_size=128 << 20)
+        ck = nebulite.Checkpoint("last", 2)
+        ck.save("a", torch.full((4_000_000,), 7, dtype=torch.int32))
+        ck.save("b", {{"step": 9, "t": torch.ones(10)}})
+        os.kill(os.getpid(), signal.SIGKILL)  # right after save() returned
+    """
+    r = _child(code)
+    assert r.returncode == -signal.SIGKILL
+    deadline = time.monotonic() + 60
+    while "last" not in _committed(store) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _committed(store) == ["last"]
+    nebulite.api._reset_for_tests()
+    ck = nebulite.get_latest_checkpoint(persist_path=store)
+    assert torch.equal(ck.load("a"), torch.full((4_000_000,), 7, dtype=torch.int32))
+    assert ck.load("b")["step"] == 9
+
+
+def test_one_agent_for_many_trainers_starting_at_once(agent_env, store):
+    code = f"""
+        import json, nebulite
+        nebulite.init(persistent_storage_path={store!r}, agent=True, memory_buffer_size=64 << 20)
+        print(json.dumps(nebulite.api._session.engine.agent_pid))
+    """
+    procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(8)]
+    pids = set()
+    for p in procs:
+        out, err = p.communicate(timeout=120)
+        assert p.returncode == 0, err
+        pids.add(int(out.strip().splitlines()[-1]))
+    assert len(pids) == 1
+
+
+def test_a_trainer_dying_mid_staging_leaves_nothing(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
+    engine = nebulite.api._session.engine
+    sock = client.connect_or_start(store, 0, 2, 600.0, 0, 60.0)
+    other = client.AgentEngine(sock, 0, 1)
+    other._call("reserve", tag="t", version="vdead-000001", name="x",
+                records=[["data.pkl", 10], ["data/0", 1 << 20]])
+    assert engine.memory_used > 1 << 20
+    sock.close()  # the writer dies before sealing
+    deadline = time.monotonic() + 10
+    while engine.memory_used and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert engine.memory_used == 0
+    assert nebulite.get_latest_checkpoint().tag == ""
+
+
+def test_malformed_messages_are_refused_and_others_keep_being_served(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
+    path = os.path.join(agent_env, f"agent-{client.scope_name(store)}.sock")
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect(path)
+    raw.sendall(struct.pack("<I", 5) + b"nope!")
+    reply, _ = protocol.recv(raw)
+    assert reply["ok"] is False
+    protocol.send(raw, {"op": "reserve", "tag": "t"})  # before hello
+    assert protocol.recv(raw)[0]["ok"] is False
+    protocol.send(raw, {"op": "hello", "version": 1, "rank": 5, "world_size": 2})
+    assert protocol.recv(raw, with_fds=True)[0]["ok"] is False
+    raw.sendall(struct.pack("<I", protocol.MAX_MESSAGE + 1))  # cannot be resynchronised
+    assert protocol.recv(raw)[0]["ok"] is False
+    raw.close()
+    nebulite.Checkpoint("fine").save("x", torch.ones(3))
+    assert nebulite.get_latest_checkpoint().load("x").sum() == 3
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to run a process as another user")
+def test_another_user_cannot_attach(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
+    path = os.path.join(agent_env, f"agent-{client.scope_name(store)}.sock")
+    assert (os.stat(agent_env).st_mode & 0o777) == 0o700
+    assert (os.stat(path).st_mode & 0o777) == 0o600
+    code = f"""
+        import os, socket
+        os.setgid(65534); os.setuid(65534)
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            s.connect({path!r})
+        except PermissionError:
+            print("refused")
+    """
+    r = _child(code)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "refused"
+
+
+def test_the_agent_exits_when_idle(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20,
+                  agent_idle_exit=0.5)
+    pid = nebulite.api._session.engine.agent_pid
+    nebulite.Checkpoint("a").save("x", torch.ones(3))
+    nebulite.shutdown()  # the trainer detaches; the agent persists, then leaves
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.05)
+    else:
+        pytest.fail("the agent did not exit")
+    assert _committed(store) == ["a"]
