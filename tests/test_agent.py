@@ -187,3 +187,41 @@ def test_the_agent_exits_when_idle(agent_env, store):
     else:
         pytest.fail("the agent did not exit")
     assert _committed(store) == ["a"]
+
+
+def test_killing_the_agent_mid_persist_never_exposes_a_torn_checkpoint(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=512 << 20)
+    pid = nebulite.api._session.engine.agent_pid
+    nebulite.Checkpoint("good").save("x", torch.full((1000,), 1.0))
+    nebulite.flush_persistence()
+    big = torch.full((60_000_000,), 2.0)  # 240 MB: persisting takes a while
+    nebulite.Checkpoint("big").save("x", big)
+    deadline = time.monotonic() + 30
+    killed = False
+    while time.monotonic() < deadline:
+        dirs = list(Path(store, "big").glob("*/rank0/x"))
+        if dirs and not (dirs[0].parent.parent / "COMMITTED").exists():
+            os.kill(pid, signal.SIGKILL)
+            killed = True
+            break
+        if list(Path(store, "big").glob("*/COMMITTED")):
+            break  # it committed before we could kill it: still a valid outcome
+        time.sleep(0.001)
+    nebulite.api._reset_for_tests()
+    ck = nebulite.get_latest_checkpoint(persist_path=store)
+    assert ck.tag in ("good", "big")
+    if killed:
+        assert ck.tag == "good"
+    expected = torch.full((1000,), 1.0) if ck.tag == "good" else big
+    assert torch.equal(ck.load("x"), expected)
+    for e in nebulite._core.read_catalog(store)[0]:
+        m = nebulite._core.read_manifest(store, e["tag"], e["version"], 0)
+        for name, size, crc in m["files"]:
+            rel = nebulite._core.data_file_path(e["tag"], e["version"], 0, name)
+            nebulite._core.verify_data_file(store, rel, name, size, crc)
+    # A new trainer starts a new agent and goes on.
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=512 << 20)
+    assert nebulite.api._session.engine.agent_pid != pid
+    nebulite.Checkpoint("after").save("x", torch.ones(5))
+    nebulite.flush_persistence()
+    assert nebulite.get_latest_checkpoint().tag == "after"

@@ -105,7 +105,11 @@ void RegisterEngine(nb::module_& m) {
       .def_prop_ro("fd", &Arena::fd)
       .def_prop_ro("capacity", &Arena::capacity)
       .def_prop_ro("used", &Arena::used)
-      .def_prop_ro("address", [](const Arena& a) { return reinterpret_cast<uintptr_t>(a.base()); });
+      .def_prop_ro("address", [](const Arena& a) { return reinterpret_cast<uintptr_t>(a.base()); })
+      .def("wait_prefaulted", [](Arena& a) {
+        nb::gil_scoped_release release;
+        a.WaitPrefaulted();
+      });
 
   nb::class_<Engine>(m, "Engine")
       .def_static(

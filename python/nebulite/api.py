@@ -130,11 +130,10 @@ class _Session:
         if config.agent:
             from .agent import client
 
-            sock = client.connect_or_start(
+            self.engine = client.attach(
                 config.persistent_storage_path, config.memory_buffer_size,
                 config.num_of_version_in_retention, config.commit_timeout, config.io_threads,
-                config.agent_idle_exit)
-            self.engine = client.AgentEngine(sock, self.rank, self.world_size)
+                config.agent_idle_exit, self.rank, self.world_size)
         else:
             self.engine = self._open_embedded(config)
         self._finish_init()

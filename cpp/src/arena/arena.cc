@@ -75,12 +75,13 @@ Arena::~Arena() {
     std::lock_guard<std::mutex> lock(mu_);
     stop_prefault_ = true;
   }
-  if (prefault_thread_.joinable()) prefault_thread_.join();
+  WaitPrefaulted();
   munmap(base_, capacity_);
   if (fd_ >= 0) close(fd_);
 }
 
 void Arena::WaitPrefaulted() {
+  std::lock_guard<std::mutex> lock(join_mu_);  // several threads may wait at once
   if (prefault_thread_.joinable()) prefault_thread_.join();
 }
 

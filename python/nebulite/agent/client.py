@@ -87,6 +87,22 @@ def connect_or_start(root: str | None, memory: int, retention: int, commit_timeo
     raise errors.NebuliteError(f"the nebulite agent did not start; see {base}/agent-{scope}.log")
 
 
+def attach(root: str | None, memory: int, retention: int, commit_timeout: float,
+           io_threads: int, idle_exit: float, rank: int, world_size: int) -> "AgentEngine":
+    """Connects to (or starts) the agent and says hello. An agent that is dying while we
+    connect (killed, or leaving when idle) is replaced by a new one."""
+    deadline = time.monotonic() + START_TIMEOUT
+    while True:
+        sock = connect_or_start(root, memory, retention, commit_timeout, io_threads, idle_exit)
+        try:
+            return AgentEngine(sock, rank, world_size)
+        except (ConnectionError, OSError):
+            sock.close()
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
 class _Lease:
     """A pinned object in the agent's arena, read through this process's mapping."""
 
@@ -200,7 +216,7 @@ class AgentEngine:
         pass
 
     def wait_prefaulted(self) -> None:
-        pass
+        self._call("wait_prefaulted")
 
     def close(self, timeout: float) -> None:
         """Detaches; the agent goes on persisting what was committed."""

@@ -60,6 +60,7 @@ class Agent:
         finally:
             os.umask(old)
         os.chmod(socket_path, 0o600)
+        self.socket_inode = os.stat(socket_path).st_ino
         self.listener.listen(64)
         self.listener.settimeout(0.5)
 
@@ -96,8 +97,9 @@ class Agent:
                 threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
         finally:
             self.listener.close()
-            try:
-                os.unlink(self.socket_path)
+            try:  # unless a successor already bound the path anew
+                if os.stat(self.socket_path).st_ino == self.socket_inode:
+                    os.unlink(self.socket_path)
             except OSError:
                 pass
             for e in self.engines.values():
@@ -222,6 +224,9 @@ class Agent:
                 return {"ok": True, "errors": e.take_errors()}, []
             if op == "history":
                 return {"ok": True, "rows": list(e.history())}, []
+            if op == "wait_prefaulted":
+                self.arena.wait_prefaulted()
+                return {"ok": True}, []
             if op == "memory":
                 return {"ok": True, "capacity": self.arena.capacity, "used": self.arena.used}, []
             raise errors.InvalidArgumentError(f"unknown op {op!r}")
