@@ -94,6 +94,8 @@ class Agent:
                     conn, _ = self.listener.accept()
                 except socket.timeout:
                     continue
+                with self.lock:
+                    self.clients += 1  # counted before idleness is judged again
                 threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
         finally:
             self.listener.close()
@@ -125,13 +127,11 @@ class Agent:
     def _serve(self, sock: socket.socket) -> None:
         creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
         _, uid, _ = struct.unpack("3i", creds)
+        c = _Connection(sock)
         if uid != os.getuid():
             log.warning("refusing a connection from uid %d", uid)
-            sock.close()
+            self._detach(c)
             return
-        c = _Connection(sock)
-        with self.lock:
-            self.clients += 1
         try:
             while True:
                 try:
