@@ -25,3 +25,12 @@ def test_bench_save_tiny(tmp_path: Path) -> None:
     assert data["nebulite"]["blocking_s"] and data["torch_save_fsync_s"]
     # the bench cleans up after itself
     assert not any(p.name.startswith("nebulite-bench-") for p in tmp_path.iterdir())
+
+
+def test_bench_agent_tiny(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_agent.py"), "--tiny", "--dir", str(tmp_path)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stderr
+    assert "blocking per save, agent" in result.stdout and "load, memory tier (memory)" in result.stdout
