@@ -113,7 +113,8 @@ def main() -> int:
     ap.add_argument("--tiny", action="store_true")
     args = ap.parse_args()
     work = tempfile.mkdtemp(prefix="nebulite-agent-bench-", dir=args.dir)
-    env = dict(os.environ, NEBULITE_RUNTIME_DIR=os.path.join(work, "rt"), OMP_NUM_THREADS="1")
+    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
+    env = dict(os.environ, NEBULITE_RUNTIME_DIR=runtime, OMP_NUM_THREADS="1")
     tiny = "1" if args.tiny else "0"
     try:
         emb = run(TRAINER, os.path.join(work, "embedded"), "embedded", tiny, env=env)
@@ -145,6 +146,7 @@ def main() -> int:
     finally:
         time.sleep(2.5)  # the agents leave when idle
         shutil.rmtree(work, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
     return 0
 
 

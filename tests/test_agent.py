@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import socket
 import struct
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from pathlib import Path
@@ -23,7 +25,7 @@ from nebulite.agent import client, protocol
 @pytest.fixture
 def agent_env(tmp_path, monkeypatch):
     """A private runtime directory (so each test has its own agent), killed afterwards."""
-    rt = tmp_path / "rt"
+    rt = Path(tempfile.mkdtemp(prefix="nbrt-"))  # short: Unix socket paths are limited
     monkeypatch.setenv("NEBULITE_RUNTIME_DIR", str(rt))
     yield rt
     for log in rt.glob("agent-*.log"):
@@ -34,6 +36,7 @@ def agent_env(tmp_path, monkeypatch):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
+    shutil.rmtree(rt, ignore_errors=True)
 
 
 def _child(code: str, env_extra: dict[str, str] | None = None, timeout: float = 120):

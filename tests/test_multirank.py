@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -154,14 +156,15 @@ def test_every_rank_loads_rank0_model_straight_after_commit(dist_run):
 def test_with_the_agent_every_rank_loads_rank0_model_straight_after_commit(tmp_path):
     """With the node agent, tier 1 is shared by the node's ranks: no flush needed."""
     store = str(tmp_path / "ckpt")
-    env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=str(tmp_path / "rt"),
-                     NEBULITE_AGENT_IDLE_EXIT="1")
+    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
+    env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime, NEBULITE_AGENT_IDLE_EXIT="1")
     results = _run_ranks("dist", store, 2, 3, 0, env=env)
     for r in results:
         assert r["model_before_flush"] == ["ok"] * 3, (r["rank"], r["model_before_flush"])
         assert r["loaded"] == ["t1", "t2", "t3"]
     nebulite.api._reset_for_tests()
     _assert_loadable(store, "t3", 2, 3)
+    shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_retention_across_two_ranks(store):

@@ -59,6 +59,10 @@ def connect_or_start(root: str | None, memory: int, retention: int, commit_timeo
     base = runtime_dir()
     scope = scope_name(root)
     path = os.path.join(base, f"agent-{scope}.sock")
+    if len(os.fsencode(path)) > 107:  # sockaddr_un.sun_path
+        raise errors.InvalidArgumentError(
+            f"the agent's socket path {path!r} is longer than a Unix socket allows; "
+            "set NEBULITE_RUNTIME_DIR to a shorter directory")
     s = _connect(path)
     if s is not None:
         return s
