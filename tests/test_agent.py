@@ -228,3 +228,16 @@ def test_killing_the_agent_mid_persist_never_exposes_a_torn_checkpoint(agent_env
     nebulite.Checkpoint("after").save("x", torch.ones(5))
     nebulite.flush_persistence()
     assert nebulite.get_latest_checkpoint().tag == "after"
+
+
+def test_a_state_larger_than_the_node_budget_streams_through_it(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=16 << 20)
+    big = {"w": torch.arange(24_000_000, dtype=torch.int32), "b": torch.ones(1000)}  # 96 MB
+    nebulite.Checkpoint("big").save("state", big)
+    nebulite.flush_persistence()
+    assert _committed(store) == ["big"]
+    got = nebulite.get_latest_checkpoint().load("state")
+    assert torch.equal(got["w"], big["w"]) and torch.equal(got["b"], big["b"])
+    # Small saves still go through the agent's memory.
+    nebulite.Checkpoint("small").save("x", torch.ones(10))
+    assert nebulite.get_latest_checkpoint()._committed["tier"] == "memory"

@@ -183,6 +183,16 @@ void RegisterEngine(nb::module_& m) {
                       bool persist_now) { ThrowIfError(e.Seal(tag, version, name, persist_now)); })
       .def("discard", [](Engine& e, const std::string& tag, const std::string& version,
                          const std::string& name) { ThrowIfError(e.Discard(tag, version, name)); })
+      .def("adopt",
+           [](Engine& e, const std::string& tag, const std::string& version,
+              const std::string& name, uint64_t size, uint32_t crc) {
+             Status st;
+             {
+               nb::gil_scoped_release release;
+               st = e.Adopt(tag, version, ManifestFile{name, size, crc});
+             }
+             ThrowIfError(st);
+           })
       .def("must_persist", &Engine::MustPersist)
       .def("wait_staged",
            [](Engine& e) {

@@ -5,12 +5,16 @@
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <cstdlib>
 #include <map>
 #include <mutex>
 
 #include "nebulite/commit.h"
+#include "nebulite/copy_engine.h"
 #include "nebulite/engine.h"
+#include "nebulite/format.h"
 #include "nebulite/storage.h"
+#include "nebulite/stream_writer.h"
 #include "status_binding.h"
 
 namespace nb = nanobind;
@@ -88,6 +92,41 @@ void RegisterStorage(nb::module_& m) {
     }
     ThrowIfError(st);
   });
+
+  m.def(
+      "stream_object",
+      [](const std::string& root, const std::string& tag, const std::string& version, uint32_t rank,
+         const std::string& name,
+         const std::vector<std::tuple<std::string, uintptr_t, uint64_t, bool>>& records,
+         uint64_t window) {
+        // Writes a data file too large for the memory budget straight to the store, through
+        // a window of `window` bytes of this process's memory.
+        std::vector<SourceRecord> src;
+        std::vector<format::RecordSpec> specs;
+        for (const auto& [n, ptr, size, deferred] : records) {
+          src.push_back({n, reinterpret_cast<const void*>(ptr), size, false});
+          specs.push_back({n, size});
+        }
+        auto layout = ValueOrThrow(format::ArchiveLayout::Plan(specs));
+        window = std::max<uint64_t>(4096, window / 4096 * 4096);
+        Result<ManifestFile> r = Status::Internal("unset");
+        {
+          nb::gil_scoped_release release;
+          void* buf = nullptr;
+          if (posix_memalign(&buf, 4096, window) != 0) {
+            r = Status::ResourceExhausted("cannot allocate the streaming window");
+          } else {
+            CopyEngine copy(0);
+            r = StreamToFile(StoreFor(root), DataFilePath(tag, version, rank, name), name, layout,
+                             src, static_cast<uint8_t*>(buf), window, copy);
+            free(buf);
+          }
+        }
+        ManifestFile f = ValueOrThrow(std::move(r));
+        return nb::make_tuple(f.size, f.crc32);
+      },
+      nb::arg("root"), nb::arg("tag"), nb::arg("version"), nb::arg("rank"), nb::arg("name"),
+      nb::arg("records"), nb::arg("window") = 64ull << 20);
 
   m.def("apply_retention", [](const std::string& root, uint32_t keep) {
     return ValueOrThrow(ApplyRetention(StoreFor(root), keep));

@@ -68,7 +68,7 @@ class Arena {
   std::condition_variable released_;
   std::map<uint64_t, uint64_t> free_;  // offset -> size, coalesced; GUARDED_BY(mu_)
   uint64_t used_ = 0;                  // GUARDED_BY(mu_)
-  std::mutex join_mu_;  // serialises joining prefault_thread_
+  std::mutex join_mu_;                 // serialises joining prefault_thread_
   std::thread prefault_thread_;
   bool stop_prefault_ = false;
 };

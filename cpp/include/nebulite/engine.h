@@ -140,6 +140,11 @@ class Engine {
                       bool persist_now) = 0;
   virtual Status Discard(const std::string& tag, const std::string& version,
                          const std::string& name) = 0;
+  // Adds an object whose data file another process already wrote durably at
+  // DataFilePath(tag, version, rank, name) (streamed: too large for the memory budget).
+  // Its version must then be persisted.
+  virtual Status Adopt(const std::string& tag, const std::string& version,
+                       const ManifestFile& file) = 0;
   virtual const Arena& arena() const = 0;
 
   // Waits until every deferred copy has landed in the arena; the sources of deferred

@@ -28,6 +28,7 @@
 #include "nebulite/commit.h"
 #include "nebulite/copy_engine.h"
 #include "nebulite/crc32.h"
+#include "nebulite/stream_writer.h"
 #include "persist/history.h"
 
 namespace nebulite {
@@ -250,6 +251,32 @@ class EngineImpl : public Engine {
     --v->pins;
     v->objects.erase(std::find_if(v->objects.begin(), v->objects.end(),
                                   [&](const auto& p) { return p.get() == o; }));
+    return Status::OK();
+  }
+
+  Status Adopt(const std::string& tag, const std::string& version,
+               const ManifestFile& file) override {
+    NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(tag, "tag"));
+    NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(version, "version"));
+    NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(file.name, "name"));
+    if (!storage_) return Status::FailedPrecondition("no persistent path is set");
+    NEBULITE_RETURN_IF_ERROR(
+        VerifyDataFile(storage_.get(), DataFilePath(tag, version, opts_.rank, file.name), file));
+    std::lock_guard<std::mutex> lock(mu_);
+    auto v = GetOrCreateLocked(tag, version);
+    if (v->committed)
+      return Status::FailedPrecondition("version " + version + " of '" + tag + "' is committed");
+    if (v->Find(file.name) != nullptr)
+      return Status::AlreadyExists("'" + file.name + "' was already saved in checkpoint '" + tag +
+                                   "'");
+    auto obj = std::make_unique<ObjectState>();
+    obj->name = file.name;
+    obj->bytes = file.size;
+    obj->streamed = true;
+    obj->written = true;
+    obj->file = file;
+    v->objects.push_back(std::move(obj));
+    v->must_persist = true;
     return Status::OK();
   }
 
@@ -622,7 +649,6 @@ class EngineImpl : public Engine {
   // Writes an image that does not fit in memory through a bounded window of the arena.
   Status StreamObject(const std::string& tag, const std::string& version, ObjectState* o,
                       const std::vector<SourceRecord>& records) {
-    const auto& place = o->layout.records();
     uint64_t window = std::min<uint64_t>(64ull << 20, AlignDown(arena_->capacity() / 2));
     window = std::max<uint64_t>(window, kBlock);
     NEBULITE_ASSIGN_OR_RETURN(ArenaBlock block, ReserveForImage(window));
@@ -631,62 +657,12 @@ class EngineImpl : public Engine {
       ArenaBlock b;
       ~Releaser() { a->Release(b); }
     } releaser{arena_.get(), block};
-    uint8_t* buf = arena_->base() + block.offset;
-    std::string path = DataFilePath(tag, version, opts_.rank, o->name);
-    NEBULITE_ASSIGN_OR_RETURN(auto file, storage_->NewWritableFile(path, o->layout.file_size()));
-    std::vector<std::string> headers;
-    for (size_t i = 0; i < place.size(); ++i) headers.push_back(o->layout.LocalHeader(i, 0));
-    std::vector<uint32_t> crcs(place.size(), 0);
-    uint64_t end = o->layout.tail_offset();
-    size_t first = 0;  // first record that may overlap the window
-    for (uint64_t w0 = 0; w0 < end; w0 += window) {
-      uint64_t w1 = std::min(end, w0 + window);
-      std::vector<CopySpan> spans;
-      while (first < place.size() && place[first].data_offset + place[first].size <= w0) ++first;
-      for (size_t i = first; i < place.size() && place[i].header_offset < w1; ++i) {
-        // header bytes in the window
-        uint64_t h0 = std::max(w0, place[i].header_offset), h1 = std::min(w1, place[i].data_offset);
-        if (h0 < h1)
-          std::memcpy(buf + (h0 - w0), headers[i].data() + (h0 - place[i].header_offset), h1 - h0);
-        uint64_t p0 = std::max(w0, place[i].data_offset),
-                 p1 = std::min(w1, place[i].data_offset + place[i].size);
-        if (p0 < p1)
-          spans.push_back(
-              {buf + (p0 - w0),
-               static_cast<const uint8_t*>(records[i].data) + (p0 - place[i].data_offset),
-               p1 - p0});
-      }
-      copy_.Copy(spans);
-      for (size_t i = first; i < place.size() && place[i].header_offset < w1; ++i) {
-        uint64_t p0 = std::max(w0, place[i].data_offset),
-                 p1 = std::min(w1, place[i].data_offset + place[i].size);
-        if (p0 < p1) crcs[i] = Crc32(crcs[i], buf + (p0 - w0), p1 - p0);
-      }
-      NEBULITE_RETURN_IF_ERROR(file->WriteAt(w0, buf, w1 - w0));
-    }
-    for (size_t i = 0; i < place.size(); ++i) {
-      std::string h = o->layout.LocalHeader(i, crcs[i]);
-      NEBULITE_RETURN_IF_ERROR(file->WriteAt(place[i].header_offset, h.data(), h.size()));
-    }
-    NEBULITE_ASSIGN_OR_RETURN(std::string tail, o->layout.Tail(crcs));
-    NEBULITE_RETURN_IF_ERROR(file->WriteAt(o->layout.tail_offset(), tail.data(), tail.size()));
-    NEBULITE_RETURN_IF_ERROR(file->Sync());
-    NEBULITE_RETURN_IF_ERROR(file->Close());
+    NEBULITE_ASSIGN_OR_RETURN(
+        o->file,
+        StreamToFile(storage_.get(), DataFilePath(tag, version, opts_.rank, o->name), o->name,
+                     o->layout, records, arena_->base() + block.offset, window, copy_));
     o->streamed = true;
-    o->file = {o->name, o->layout.file_size(), FileCrc(o->layout, crcs, tail)};
     return Status::OK();
-  }
-
-  static uint32_t FileCrc(const format::ArchiveLayout& layout, const std::vector<uint32_t>& crcs,
-                          const std::string& tail) {
-    uint32_t c = 0;
-    const auto& place = layout.records();
-    for (size_t i = 0; i < place.size(); ++i) {
-      std::string h = layout.LocalHeader(i, crcs[i]);
-      c = Crc32(c, h.data(), h.size());
-      c = Crc32Combine(c, crcs[i], place[i].size);
-    }
-    return Crc32(c, tail.data(), tail.size());
   }
 
   Status PersistObject(const VersionState& v, ObjectState* o, double* seconds) {
@@ -737,7 +713,7 @@ class EngineImpl : public Engine {
     NEBULITE_RETURN_IF_ERROR(file->WriteAt(o->layout.tail_offset(), tail.data(), tail.size()));
     NEBULITE_RETURN_IF_ERROR(file->Sync());
     NEBULITE_RETURN_IF_ERROR(file->Close());
-    o->file = {o->name, o->layout.file_size(), FileCrc(o->layout, crcs, tail)};
+    o->file = {o->name, o->layout.file_size(), DataFileCrc(o->layout, crcs, tail)};
     *seconds = Seconds(t0, Clock::now());
     return Status::OK();
   }

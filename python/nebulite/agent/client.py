@@ -99,7 +99,7 @@ def attach(root: str | None, memory: int, retention: int, commit_timeout: float,
     while True:
         sock = connect_or_start(root, memory, retention, commit_timeout, io_threads, idle_exit)
         try:
-            return AgentEngine(sock, rank, world_size)
+            return AgentEngine(sock, rank, world_size, root)
         except (ConnectionError, OSError):
             sock.close()
             if time.monotonic() > deadline:
@@ -138,8 +138,11 @@ class _Lease:
 class AgentEngine:
     """Drop-in for `_core.Engine`, backed by the node agent."""
 
-    def __init__(self, sock: socket.socket, rank: int, world_size: int) -> None:
+    def __init__(self, sock: socket.socket, rank: int, world_size: int,
+                 root: str | None = None) -> None:
         self._sock = sock
+        self._rank = rank
+        self._root = root
         self._lock = threading.Lock()
         self._unpins: list[int] = []
         with self._lock:
@@ -171,8 +174,17 @@ class AgentEngine:
 
     def stage(self, tag: str, version: str, name: str, records: list[tuple], persist_now: bool = False):
         t0 = time.perf_counter()
-        r = self._call("reserve", tag=tag, version=version, name=name,
-                       records=[(n, size) for n, _, size, *_ in records])
+        try:
+            r = self._call("reserve", tag=tag, version=version, name=name,
+                           records=[(n, size) for n, _, size, *_ in records])
+        except errors.MemoryBudgetError:
+            if not self._root:
+                raise
+            # Larger than the node's whole budget: this trainer streams it to the store
+            # through a bounded window, and the agent adopts the durable file.
+            size, crc = _core.stream_object(self._root, tag, version, self._rank, name, records)
+            self._call("adopt", tag=tag, version=version, name=name, size=size, crc32=crc)
+            return size, time.perf_counter() - t0, True, False
         image = self._base + int(r["offset"])
         try:
             for (_, src, size, *_), (_, off, _) in zip(records, r["records"]):

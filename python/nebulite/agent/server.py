@@ -193,6 +193,10 @@ class Agent:
                 e.discard(*key)
                 c.reserved.discard(key)
                 return {"ok": True}, []
+            if op == "adopt":
+                e.adopt(_str(r, "tag"), _str(r, "version"), _str(r, "name"), _int(r, "size"),
+                        _int(r, "crc32"))
+                return {"ok": True}, []
             if op == "commit":
                 e.commit(_str(r, "tag"), _str(r, "version"), _int(r, "seq"), bool(r.get("persist")))
                 return {"ok": True}, []
