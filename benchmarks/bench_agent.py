@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import os
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -43,7 +44,7 @@ nbytes = sum(t.numel() * t.element_size() for part in state.values()
                        [v for s in part["state"].values() for v in s.values() if torch.is_tensor(v)]))
 rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 nm.init(root, memory_buffer_size=(256 << 20) if tiny else (4 << 30), agent=(mode == "agent"),
-        agent_idle_exit=2, num_of_version_in_retention=2)
+        agent_idle_exit=120, num_of_version_in_retention=2)
 nm.api._session.engine.wait_prefaulted()
 blocking = []
 for i in range(4):
@@ -66,7 +67,7 @@ import json, sys, time
 import nebulite as nm
 root, mode, names = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 if mode == "agent":
-    nm.init(root, agent=True, agent_idle_exit=2)
+    nm.init(root, agent=True, agent_idle_exit=120)
 t = time.perf_counter()
 ck = nm.get_latest_checkpoint(persist_path=None if mode == "agent" else root)
 tier = ck._committed["tier"]
@@ -144,7 +145,11 @@ def main() -> int:
         print(f"goal: agent hand-off adds under 10%: "
               f"{'PASS' if agt['blocking'] <= 1.10 * emb['blocking'] else 'MISS'}")
     finally:
-        time.sleep(2.5)  # the agents leave when idle
+        if "agt" in locals():
+            try:
+                os.kill(agt["agent_pid"], signal.SIGTERM)
+            except ProcessLookupError:
+                pass
         shutil.rmtree(work, ignore_errors=True)
         shutil.rmtree(runtime, ignore_errors=True)
     return 0

@@ -70,6 +70,18 @@ void RegisterEngine(nb::module_& m) {
       },
       "Copies n bytes with every core (GIL released).");
 
+  m.def(
+      "copy_many",
+      [](const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t>>& spans) {
+        std::vector<CopySpan> v;
+        v.reserve(spans.size());
+        for (const auto& [dst, src, n] : spans)
+          v.push_back({reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n});
+        nb::gil_scoped_release release;
+        LoadCopier().Copy(v);
+      },
+      "Copies many (dst, src, n) spans at once with every core (GIL released).");
+
   nb::class_<ObjectLease>(m, "ObjectLease")
       .def_prop_ro("address",
                    [](const ObjectLease& l) { return reinterpret_cast<uintptr_t>(l.data()); })

@@ -155,8 +155,10 @@ class AgentEngine:
         fd = fds[0]
         self.memory_capacity = int(reply["capacity"])
         self.agent_pid = int(reply["pid"])
-        self._map = mmap.mmap(fd, self.memory_capacity, mmap.MAP_SHARED,
-                              mmap.PROT_READ | mmap.PROT_WRITE)
+        # Map every page now (the agent has already allocated them), so that copies into
+        # the arena never take a page fault in this process.
+        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
+        self._map = mmap.mmap(fd, self.memory_capacity, flags, mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 
@@ -187,9 +189,9 @@ class AgentEngine:
             return size, time.perf_counter() - t0, True, False
         image = self._base + int(r["offset"])
         try:
-            for (_, src, size, *_), (_, off, _) in zip(records, r["records"]):
-                if size:
-                    _core.copy_bytes(image + int(off), src, size)
+            _core.copy_many([(image + int(off), src, size)
+                             for (_, src, size, *_), (_, off, _) in zip(records, r["records"])
+                             if size])
         except BaseException:
             self._call("discard", tag=tag, version=version, name=name)
             raise
