@@ -241,3 +241,37 @@ def test_a_state_larger_than_the_node_budget_streams_through_it(agent_env, store
     # Small saves still go through the agent's memory.
     nebulite.Checkpoint("small").save("x", torch.ones(10))
     assert nebulite.get_latest_checkpoint()._committed["tier"] == "memory"
+
+
+def test_one_agent_per_node_identity(agent_env, store, monkeypatch):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=32 << 20)
+    first = nebulite.api._session.engine.agent_pid
+    monkeypatch.setenv("NEBULITE_NODE_ID", "node-b")
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=32 << 20)
+    second = nebulite.api._session.engine.agent_pid
+    assert first != second  # a simulated second node has its own agent (and memory)
+    monkeypatch.delenv("NEBULITE_NODE_ID")
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=32 << 20)
+    assert nebulite.api._session.engine.agent_pid == first
+
+
+def test_retention_and_time_interval_through_the_agent(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20,
+                  num_of_version_in_retention=2, persistent_time_interval=3600)
+    for i in range(4):
+        nebulite.Checkpoint(f"s{i}").save("x", torch.full((100,), float(i)))
+    # Only the first was due for the store; the others live in the agent's memory.
+    nebulite.flush_persistence()  # persists the newest one
+    assert _committed(store) == ["s0", "s3"]
+    memory = [e["tag"] for e in nebulite.list_checkpoints() if e["tier"] == "memory"]
+    assert len(memory) <= 2 and "s3" in memory  # retention bounds the memory tier too
+    assert torch.equal(nebulite.get_latest_checkpoint().load("x"), torch.full((100,), 3.0))
+
+
+def test_a_one_gib_state_through_a_64_mib_budget(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
+    state = {"a": torch.arange(1 << 28, dtype=torch.int32)}  # 1 GiB
+    nebulite.Checkpoint("huge").save("state", state)
+    nebulite.flush_persistence()
+    got = nebulite.get_latest_checkpoint().load("state")
+    assert torch.equal(got["a"], state["a"])

@@ -167,6 +167,28 @@ def test_with_the_agent_every_rank_loads_rank0_model_straight_after_commit(tmp_p
     shutil.rmtree(runtime, ignore_errors=True)
 
 
+def test_two_simulated_nodes_each_with_its_agent(tmp_path):
+    """4 ranks on 2 simulated nodes: each node's ranks share their node's agent; objects
+    held only in the other node's memory are read from the store once persisted."""
+    store = str(tmp_path / "ckpt")
+    runtime = tempfile.mkdtemp(prefix="nbrt-")
+    env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime, NEBULITE_AGENT_IDLE_EXIT="1",
+                     NEBULITE_TEST_RANKS_PER_NODE="2")
+    results = _run_ranks("dist", store, 4, 2, 0, env=env)
+    pids = [r["agent_pid"] for r in results]
+    assert pids[0] == pids[1] and pids[2] == pids[3] and pids[0] != pids[2]
+    for r in results:
+        assert r["loaded"] == ["t1", "t2"]
+        for early in r["model_before_flush"]:
+            if r["rank"] < 2:  # rank 0's node: from memory
+                assert early == "ok"
+            else:  # the other node: only once persisted, never wrong
+                assert early == "ok" or early.startswith("NotFoundError"), early
+    nebulite.api._reset_for_tests()
+    _assert_loadable(store, "t2", 4, 2)
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
 def test_retention_across_two_ranks(store):
     results = _run_ranks("dist", store, 2, 4, 2)
     assert all(r["loaded"] == ["t1", "t2", "t3", "t4"] for r in results)

@@ -48,6 +48,9 @@ def same(a, b) -> bool:
 def run_dist(store: str, rank: int, world: int, port: int, ntags: int, retention: int) -> dict:
     import torch.distributed as dist
 
+    per_node = int(os.environ.get("NEBULITE_TEST_RANKS_PER_NODE", "0"))
+    if per_node:  # simulate several nodes on this machine: one agent per node identity
+        os.environ["NEBULITE_NODE_ID"] = f"node{rank // per_node}"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
     nm.init(persistent_storage_path=store, persistent_time_interval=0,
@@ -83,10 +86,11 @@ def run_dist(store: str, rank: int, world: int, port: int, ntags: int, retention
         for r in range(world):
             assert same(latest.load(f"shard_rank{r}"), shard(r, step)), (rank, r, tag)
         loaded.append(tag)
+    agent_pid = getattr(nm.api._session.engine, "agent_pid", None)
     dist.barrier()
     nm.shutdown()
     dist.destroy_process_group()
-    return {"rank": rank, "loaded": loaded, "model_before_flush": early}
+    return {"rank": rank, "loaded": loaded, "model_before_flush": early, "agent_pid": agent_pid}
 
 
 def run_plain(store: str, rank: int) -> dict:

@@ -38,8 +38,15 @@ def runtime_dir() -> str:
     return base
 
 
+def node_id() -> str:
+    """This node's identity: $NEBULITE_NODE_ID (to run several simulated nodes on one
+    machine), else the host name."""
+    return os.environ.get("NEBULITE_NODE_ID") or socket.gethostname()
+
+
 def scope_name(root: str | None) -> str:
-    return hashlib.sha1((root or "<memory>").encode()).hexdigest()[:16]
+    """One agent per node and storage scope."""
+    return hashlib.sha1(f"{node_id()}\0{root or '<memory>'}".encode()).hexdigest()[:16]
 
 
 def _connect(path: str) -> socket.socket | None:
