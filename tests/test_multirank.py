@@ -144,13 +144,15 @@ def test_ranks_save_commit_and_load_each_others_objects(dist_run):
     assert path.startswith(os.path.join(os.path.abspath(store), "t3") + os.sep) and os.path.isfile(path)
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "the embedded engine (no agent) is per process: before an object is persisted nothing "
-    "serves it to another rank; the agent does (see the test below)"))
-def test_every_rank_loads_rank0_model_straight_after_commit(dist_run):
+def test_ranks_agree_on_a_latest_they_can_all_load_straight_after_commit(dist_run):
+    """Embedded engines keep each rank's memory to itself: right after commit() the ranks
+    agree on the newest checkpoint every rank can load (this one once it is committed in
+    the store, else the previous one), and loading it never fails."""
     store, world, results = dist_run
+    tags = [r["model_before_flush"] for r in results]
+    assert all(t == tags[0] for t in tags), tags  # the same answer on every rank
     for r in results:
-        assert r["model_before_flush"] == ["ok"] * 3, (r["rank"], r["model_before_flush"])
+        assert all(e in ("ok", "older") for e in r["model_before_flush"]), r
 
 
 def test_with_the_agent_every_rank_loads_rank0_model_straight_after_commit(tmp_path):
@@ -179,11 +181,9 @@ def test_two_simulated_nodes_each_with_its_agent(tmp_path):
     assert pids[0] == pids[1] and pids[2] == pids[3] and pids[0] != pids[2]
     for r in results:
         assert r["loaded"] == ["t1", "t2"]
-        for early in r["model_before_flush"]:
-            if r["rank"] < 2:  # rank 0's node: from memory
-                assert early == "ok"
-            else:  # the other node: only once persisted, never wrong
-                assert early == "ok" or early.startswith("NotFoundError"), early
+        # The nodes do not share memory: the ranks agree on what all of them can load.
+        assert r["model_before_flush"] == results[0]["model_before_flush"]
+        assert all(e in ("ok", "older") for e in r["model_before_flush"]), r
     nebulite.api._reset_for_tests()
     _assert_loadable(store, "t2", 4, 2)
     shutil.rmtree(runtime, ignore_errors=True)

@@ -41,3 +41,12 @@ def agree_on_run_id() -> str:
         torch.distributed.broadcast_object_list(box, src=0)
         run_id = str(box[0])
     return run_id
+
+
+def all_gather(obj: object) -> list[object]:
+    """Every rank's `obj`, in rank order (a list of one when alone)."""
+    if not initialized() or torch.distributed.get_world_size() == 1:
+        return [obj]
+    out: list[object] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(out, obj)
+    return out

@@ -153,6 +153,7 @@ class _Session:
         )
 
     def _finish_init(self) -> None:
+        self._shared_memory: bool | None = None
         self._run_lock: int | None = None
         self.counter = 0
         self.pending: list[Any] = []  # record sets whose deferred copies may be running
@@ -179,6 +180,19 @@ class _Session:
         v = _OpenVersion(tag, f"v{self.run_id}-{self.counter:06d}")
         self.open[tag] = v
         return v
+
+    def memory_shared_by_all_ranks(self) -> bool:
+        """True if every rank uses this node's agent, so memory-only versions are loadable
+        by all (learnt once, with one collective)."""
+        if self._shared_memory is None:
+            if self.config.agent:
+                from .agent.client import node_id
+
+                mine = f"agent:{node_id()}"
+            else:  # the embedded engine: each process's memory is its own
+                mine = f"process:{os.getpid()}:{os.uname().nodename}"
+            self._shared_memory = len(set(_dist.all_gather(mine))) == 1
+        return self._shared_memory
 
     def close(self) -> None:
         """Drains pending persistence, then lets the run's lock go."""
@@ -405,7 +419,9 @@ class Checkpoint:
         if not self._committed:
             if self.tag == "":
                 raise NotFoundError("no valid checkpoint: this handle has an empty tag")
-            found = get_checkpoint(tag=self.tag)
+            with _lock:  # this rank alone: no collective here
+                found = _first_intact([e for e in _candidates(None) if e["tag"] == self.tag],
+                                      agree=False)
             if not found._committed:
                 raise NotFoundError(f"checkpoint {self.tag!r} is not committed")
             self._committed = found._committed
@@ -543,19 +559,22 @@ def _candidates(persist_path: str | os.PathLike[str] | None) -> list[dict[str, A
     s = _session
     root = _resolve_root(persist_path)
     out: list[dict[str, Any]] = []
-    memory_keys = set()
+    memory_keys: dict[tuple[str, str], dict[str, Any]] = {}
     if s is not None and (root is None or root == s.root):
         for v in s.engine.versions():
             if not v["in_memory"]:
                 continue
             if v["failed"] and s.world_size > 1:
                 continue  # the other ranks' parts never made it: not loadable anywhere
-            v = dict(v, tier="memory", root=s.root, world_size=s.world_size)
+            v = dict(v, tier="memory", root=s.root, world_size=s.world_size, in_store=False)
             out.append(v)
-            memory_keys.add((v["tag"], v["version"]))
+            memory_keys[(v["tag"], v["version"])] = v
     if root is not None and os.path.isdir(root):
         for e in _store_entries(root):
-            if (e["tag"], e["version"]) not in memory_keys:
+            held = memory_keys.get((e["tag"], e["version"]))
+            if held is not None:
+                held["in_store"] = True  # committed in the store too
+            else:
                 out.append(e)
     out.sort(key=lambda e: e["seq"], reverse=True)
     return out
@@ -571,11 +590,27 @@ def _handle(entry: dict[str, Any]) -> Checkpoint:
     return Checkpoint(entry["tag"], _committed=entry)
 
 
-def _first_intact(entries: list[dict[str, Any]]) -> Checkpoint:
-    for e in entries:
-        if e["tier"] == "memory" or _verify(e["root"], e):
-            return _handle(e)
-    return Checkpoint("", _committed=None)
+def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoint:
+    usable = [e for e in entries if e["tier"] == "memory" or _verify(e["root"], e)]
+    if agree:
+        usable = _agreed(usable)
+    return _handle(usable[0]) if usable else Checkpoint("", _committed=None)
+
+
+def _agreed(usable: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """With several ranks, the candidates every rank can load, found with one collective.
+
+    A version held only in memory is loadable by every rank only when all ranks share one
+    node's agent; otherwise it counts once it is committed in the store. Every rank calls
+    get_latest_checkpoint()/get_checkpoint() (as DeepSpeed does), so all take part."""
+    s = _session
+    if s is None or s.world_size == 1 or not _dist.initialized():
+        return usable
+    shared = s.memory_shared_by_all_ranks()
+    mine = [e for e in usable if e["tier"] != "memory" or shared or e.get("in_store")]
+    everyone = _dist.all_gather([int(e["seq"]) for e in mine])
+    common = set.intersection(*(set(x) for x in everyone))  # type: ignore[arg-type]
+    return [e for e in mine if int(e["seq"]) in common]
 
 
 def get_latest_checkpoint(persist_path: str | os.PathLike[str] | None = None) -> Checkpoint:
