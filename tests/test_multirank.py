@@ -189,6 +189,38 @@ def test_two_simulated_nodes_each_with_its_agent(tmp_path):
     shutil.rmtree(runtime, ignore_errors=True)
 
 
+def test_two_nodes_launched_by_torchrun(tmp_path):
+    """`torchrun --nnodes 2` on 127.0.0.1, 2 ranks per node, one agent per node identity."""
+    store, out = str(tmp_path / "ckpt"), tmp_path / "out"
+    out.mkdir()
+    runtime = tempfile.mkdtemp(prefix="nbrt-")
+    master, pg = _free_port(), _free_port()
+    torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
+    entry = os.path.join(os.path.dirname(__file__), "workers", "torchrun_entry.py")
+    procs = []
+    for node in (0, 1):
+        env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime,
+                         NEBULITE_AGENT_IDLE_EXIT="1", NEBULITE_NODE_ID=f"node{node}",
+                         TEST_PG_PORT=str(pg))
+        procs.append(subprocess.Popen(
+            [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+             "--master-addr", "127.0.0.1", "--master-port", str(master), entry, store, str(out)],
+            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    for p in procs:
+        log, _ = p.communicate(timeout=300)
+        assert p.returncode == 0, log[-3000:]
+    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
+    pids = [r["agent_pid"] for r in results]
+    assert pids[0] == pids[1] and pids[2] == pids[3] and pids[0] != pids[2]
+    for r in results:
+        assert r["loaded"] == ["t1", "t2"]
+        assert r["model_before_flush"] == results[0]["model_before_flush"]
+        assert all(e in ("ok", "older") for e in r["model_before_flush"]), r
+    nebulite.api._reset_for_tests()
+    _assert_loadable(store, "t2", 4, 2)
+    shutil.rmtree(runtime, ignore_errors=True)
+
+
 def test_retention_across_two_ranks(store):
     results = _run_ranks("dist", store, 2, 4, 2)
     assert all(r["loaded"] == ["t1", "t2", "t3", "t4"] for r in results)
