@@ -169,14 +169,8 @@ def test_with_the_agent_every_rank_loads_rank0_model_straight_after_commit(tmp_p
     shutil.rmtree(runtime, ignore_errors=True)
 
 
-def test_two_simulated_nodes_each_with_its_agent(tmp_path):
-    """4 ranks on 2 simulated nodes: each node's ranks share their node's agent; objects
-    held only in the other node's memory are read from the store once persisted."""
-    store = str(tmp_path / "ckpt")
-    runtime = tempfile.mkdtemp(prefix="nbrt-")
-    env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime, NEBULITE_AGENT_IDLE_EXIT="1",
-                     NEBULITE_TEST_RANKS_PER_NODE="2")
-    results = _run_ranks("dist", store, 4, 2, 0, env=env)
+def _assert_two_nodes(results: list[dict], store: str) -> None:
+    """Ranks 0-1 on one node, 2-3 on another, each node with its agent, tags t1 and t2."""
     pids = [r["agent_pid"] for r in results]
     assert pids[0] == pids[1] and pids[2] == pids[3] and pids[0] != pids[2]
     for r in results:
@@ -186,6 +180,16 @@ def test_two_simulated_nodes_each_with_its_agent(tmp_path):
         assert all(e in ("ok", "older") for e in r["model_before_flush"]), r
     nebulite.api._reset_for_tests()
     _assert_loadable(store, "t2", 4, 2)
+
+
+def test_two_simulated_nodes_each_with_its_agent(tmp_path):
+    """4 ranks on 2 simulated nodes: each node's ranks share their node's agent; objects
+    held only in the other node's memory are read from the store once persisted."""
+    store = str(tmp_path / "ckpt")
+    runtime = tempfile.mkdtemp(prefix="nbrt-")
+    env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime, NEBULITE_AGENT_IDLE_EXIT="1",
+                     NEBULITE_TEST_RANKS_PER_NODE="2")
+    _assert_two_nodes(_run_ranks("dist", store, 4, 2, 0, env=env), store)
     shutil.rmtree(runtime, ignore_errors=True)
 
 
@@ -209,15 +213,7 @@ def test_two_nodes_launched_by_torchrun(tmp_path):
     for p in procs:
         log, _ = p.communicate(timeout=300)
         assert p.returncode == 0, log[-3000:]
-    results = [json.loads((out / f"rank{r}.json").read_text()) for r in range(4)]
-    pids = [r["agent_pid"] for r in results]
-    assert pids[0] == pids[1] and pids[2] == pids[3] and pids[0] != pids[2]
-    for r in results:
-        assert r["loaded"] == ["t1", "t2"]
-        assert r["model_before_flush"] == results[0]["model_before_flush"]
-        assert all(e in ("ok", "older") for e in r["model_before_flush"]), r
-    nebulite.api._reset_for_tests()
-    _assert_loadable(store, "t2", 4, 2)
+    _assert_two_nodes([json.loads((out / f"rank{r}.json").read_text()) for r in range(4)], store)
     shutil.rmtree(runtime, ignore_errors=True)
 
 
