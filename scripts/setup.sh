@@ -27,7 +27,10 @@ stamp=.venv/.deps-$(sha1sum scripts/setup.sh constraints.txt | sha1sum | cut -c1
 if [ ! -f "$stamp" ]; then
   echo "setup: installing Python packages"
   "${PIP[@]}" torch==2.13.0 numpy pytest hypothesis psutil transformers \
-    "nanobind>=2.0" "scikit-build-core>=0.10" cmake ninja
+    "lightning==2.6.*" matplotlib "nanobind>=2.0" "scikit-build-core>=0.10" cmake ninja
+  # DeepSpeed builds against the torch above; its CUDA ops are not built (they are
+  # compiled just in time where a GPU needs them).
+  DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation deepspeed
   touch "$stamp"
 fi
 echo "setup: building nebulite"
