@@ -49,6 +49,20 @@ def _committed(store: str) -> list[str]:
     return [e["tag"] for e in nebulite._core.read_catalog(store)[0]]
 
 
+def test_init_uses_the_agent_by_default(agent_env, store, monkeypatch):
+    monkeypatch.delenv("NEBULITE_AGENT")
+    nebulite.init(persistent_storage_path=store, memory_buffer_size=64 << 20)
+    pid = nebulite.session_info()["agent_pid"]
+    assert pid and pid != os.getpid()
+    nebulite.shutdown()
+    monkeypatch.setenv("NEBULITE_AGENT", "0")  # the embedded engine, on request
+    nebulite.init(persistent_storage_path=store, memory_buffer_size=64 << 20)
+    assert nebulite.session_info()["agent_pid"] is None
+    nebulite.shutdown()
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
+    assert nebulite.session_info()["agent_pid"] == pid
+
+
 def test_save_and_load_through_the_agent(agent_env, store):
     nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
     state = {"w": torch.arange(100_000, dtype=torch.float32), "step": 3}

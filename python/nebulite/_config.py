@@ -35,7 +35,7 @@ class Config:
     prefault: bool = True
     commit_timeout: float = 600.0
     async_staging: bool = False
-    agent: bool = False
+    agent: bool = True
     agent_idle_exit: float = 60.0
     rank: int | None = None
     world_size: int | None = None
@@ -89,7 +89,7 @@ class Config:
                 setattr(c, key, bool(more.pop(key)))
         agent = more.pop("agent", None)
         if agent is None:
-            agent = env.get("NEBULITE_AGENT", "0").lower() in ("1", "true", "yes", "on")
+            agent = env.get("NEBULITE_AGENT", "1").lower() not in ("0", "false", "no", "off")
         c.agent = bool(agent)
         idle = more.pop("agent_idle_exit", None)
         if idle is None:

@@ -723,6 +723,7 @@ def session_info() -> dict[str, Any]:
         "memory_capacity": s.engine.memory_capacity,
         "memory_used": s.engine.memory_used,
         "run_id": s.run_id,
+        "agent_pid": getattr(s.engine, "agent_pid", None),  # None: the engine is embedded
     }
 
 
