@@ -3,10 +3,12 @@
     python examples/demo.py            (or: make demo)
 
 1. A child process trains a small GPT-2 on synthetic tokens (CPU, AdamW) and checkpoints
-   every 5 steps with nebulite; at step 23 it kills itself with SIGKILL.
-2. A new child resumes from nebulite's latest committed checkpoint, checks that the
-   model and optimizer it loaded are bit-for-bit those of that step (sha256 recorded by
-   the first run), replays the lost steps and trains to the end.
+   every 5 steps with nebulite; at step 23 it kills itself with SIGKILL. nebulite's node
+   agent (started by the first init()) outlives it and commits the last checkpoint.
+2. A new child resumes from nebulite's latest committed checkpoint (from the agent's
+   memory), checks that the model and optimizer it loaded are bit-for-bit those of that
+   step (sha256 recorded by the first run), replays the lost steps and trains to the end.
+   With NEBULITE_AGENT=0 (no agent) it resumes from the newest checkpoint on disk.
 3. The resumed child then times a save of its state with nebulite vs torch.save + fsync.
 
 Exit status is non-zero when the resume check fails.
@@ -125,6 +127,7 @@ def train(resume: bool) -> int:
     nm.init(persistent_storage_path=CKPT_DIR, persistent_time_interval=0,
             num_of_version_in_retention=3, memory_buffer_size=MEM)
     side = {"saved": {}, "losses": {}} if not resume else read_side()
+    side["agent_pid"] = nm.session_info()["agent_pid"]
     start = 0
     who = "resume" if resume else "run 1 "
 
@@ -133,6 +136,7 @@ def train(resume: bool) -> int:
         if latest.tag == "":
             print("resume: FAIL - no committed checkpoint found")
             return 1
+        tier = latest._committed["tier"]
         meta = latest.load("meta")
         start = int(meta["step"])
         model_sd = latest.load("model", map_location="cpu")
@@ -147,7 +151,8 @@ def train(resume: bool) -> int:
         # the live model and optimizer after load_state_dict.
         live = {"model": digest(model.state_dict()), "optimizer": digest(opt.state_dict())}
         ok = want is not None and got == want and live == want
-        print(f"resume: loaded {latest.tag!r} -> step {start}; "
+        print(f"resume: loaded {latest.tag!r} from {'memory' if tier == 'memory' else 'disk'} "
+              f"-> step {start}; "
               f"sha256 model {got['model'][:12]} optimizer {got['optimizer'][:12]}: "
               f"{'bit-for-bit equal to run 1' if ok else 'MISMATCH with run 1 ' + str(want)}")
         if not ok:
@@ -286,21 +291,30 @@ def main() -> int:
     saved = sorted(int(s) for s in side["saved"])
     tags = [c["tag"] for c in on_disk]
     print(f"crash : process died of SIGKILL; last save returned at step {saved[-1]}; "
-          f"committed on disk: {', '.join(tags) or 'none'}")
-    expect = int(tags[0][len("global_step"):]) if tags else None
+          f"committed on disk so far: {', '.join(tags) or 'none'}")
+    agent = side.get("agent_pid")
+    if agent:
+        # The agent persists and commits every checkpoint whose save() returned.
+        print(f"crash : the node agent (pid {agent}) outlives the trainer and commits "
+              f"global_step{saved[-1]}")
+        expect = saved[-1]
+    else:
+        expect = int(tags[0][len("global_step"):]) if tags else None
 
     rc = child("resume")
     side = read_side()
     got = side.get("resumed_from")
     floor = max(side.get("persisted_before_crash") or [0])
-    why = ("the last save, whose background persist had committed before the kill"
+    why = ("the last save, which the node agent held in memory and committed after the kill"
+           if agent and got == saved[-1] else
+           "the last save, whose background persist had committed before the kill"
            if got == saved[-1] else
            "the newest checkpoint whose commit had completed; the last save's persist was cut short")
     ok = rc == 0 and got is not None and got == expect and got >= floor
     if ok:
         print(f"resume: PASS - resumed from step {got}: {why}")
     else:
-        print(f"resume: FAIL - exit {rc}, resumed from {got}, newest committed on disk {expect}, "
+        print(f"resume: FAIL - exit {rc}, resumed from {got}, expected {expect}, "
               f"known committed before the crash {floor}")
     if "timings" in side:
         print_timings(side["timings"])

@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import signal
+import tempfile
+from pathlib import Path
+
 import pytest
 
 import nebulite.api
+
+# The engine runs embedded in the test process (and in the processes tests start) unless
+# a test asks for the node agent, the default of init(): tests/test_agent.py and the
+# multi-node tests do. Set for the whole session, so module-scoped fixtures see it too.
+os.environ["NEBULITE_AGENT"] = "0"
 
 
 @pytest.fixture(autouse=True)
 def _nebulite_env(monkeypatch):
     monkeypatch.setenv("NEBULA_MEMORY_BUFFER_SIZE", str(256 * 1024 * 1024))
-    # The engine runs embedded in the test process unless a test asks for the node agent
-    # (the default of init()): tests/test_agent.py and the tests marked `agent` cover it.
-    monkeypatch.setenv("NEBULITE_AGENT", "0")
     monkeypatch.delenv("NEBULA_PERSISTENT_STORAGE_PATH", raising=False)
     monkeypatch.delenv("NEBULA_PERSISTENT_TIME_INTERVAL", raising=False)
     try:
@@ -25,3 +33,20 @@ def _nebulite_env(monkeypatch):
 def store(tmp_path):
     """A fresh persistent storage path (not created yet)."""
     return str(tmp_path / "ckpt")
+
+
+@pytest.fixture
+def agent_env(tmp_path, monkeypatch):
+    """A private runtime directory (so each test has its own agent), killed afterwards."""
+    rt = Path(tempfile.mkdtemp(prefix="nbrt-"))  # short: Unix socket paths are limited
+    monkeypatch.setenv("NEBULITE_RUNTIME_DIR", str(rt))
+    yield rt
+    for log in rt.glob("agent-*.log"):
+        for line in log.read_text().splitlines():
+            if "nebulite agent" in line and "serving" in line:
+                pid = int(line.split("nebulite agent ")[1].split()[0])
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+    shutil.rmtree(rt, ignore_errors=True)

@@ -22,23 +22,6 @@ import nebulite
 from nebulite.agent import client, protocol
 
 
-@pytest.fixture
-def agent_env(tmp_path, monkeypatch):
-    """A private runtime directory (so each test has its own agent), killed afterwards."""
-    rt = Path(tempfile.mkdtemp(prefix="nbrt-"))  # short: Unix socket paths are limited
-    monkeypatch.setenv("NEBULITE_RUNTIME_DIR", str(rt))
-    yield rt
-    for log in rt.glob("agent-*.log"):
-        for line in log.read_text().splitlines():
-            if "nebulite agent" in line and "serving" in line:
-                pid = int(line.split("nebulite agent ")[1].split()[0])
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-    shutil.rmtree(rt, ignore_errors=True)
-
-
 def _child(code: str, env_extra: dict[str, str] | None = None, timeout: float = 120):
     env = dict(os.environ, **(env_extra or {}))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
@@ -147,6 +130,45 @@ def test_a_trainer_dying_mid_staging_leaves_nothing(agent_env, store):
         time.sleep(0.02)
     assert engine.memory_used == 0
     assert nebulite.get_latest_checkpoint().tag == ""
+
+
+def test_a_trainer_killed_between_the_saves_of_a_checkpoint_leaves_nothing(agent_env, store):
+    """Its first object was sealed (and persisted eagerly), the second never came: the
+    agent gives the memory back and removes the files; the previous checkpoint stays."""
+    code = f"""
+        import os, signal, torch, nebulite as nm
+        nm.init(persistent_storage_path={store!r}, agent=True, memory_buffer_size=64 << 20)
+        nm.Checkpoint("good").save("x", torch.ones(1000))
+        nm.flush_persistence()
+        ck = nm.Checkpoint("half", 2)
+        ck.save("model", torch.arange(1 << 20, dtype=torch.float32))
+        print(nm.session_info()["agent_pid"], flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+    """
+    out = _child(code)
+    assert out.returncode == -signal.SIGKILL, out.stderr
+    agent_pid = int(out.stdout.split()[0])
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
+    assert nebulite.session_info()["agent_pid"] == agent_pid
+    deadline = time.monotonic() + 30
+    while os.path.exists(os.path.join(store, "half")) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not os.path.exists(os.path.join(store, "half"))
+    assert nebulite.session_info()["memory_used"] < 1 << 20  # only "good" is held
+    latest = nebulite.get_latest_checkpoint()
+    assert latest.tag == "good" and latest.load("x").sum() == 1000
+    assert _committed(store) == ["good"]
+
+
+def test_a_dead_run_is_alive_while_its_agent_works_for_it(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
+    run = nebulite.api._session.run_id
+    assert nebulite.api._run_is_alive(store, run)
+    nebulite.shutdown()  # this trainer lets go; the agent lets go once it is idle
+    deadline = time.monotonic() + 30
+    while nebulite.api._run_is_alive(store, run) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not nebulite.api._run_is_alive(store, run)
 
 
 def test_malformed_messages_are_refused_and_others_keep_being_served(agent_env, store):

@@ -3,11 +3,21 @@ checkpoint holds exactly the state at save() time."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 import nebulite as nm
 from nebulite import _staging
 from nebulite._serialization import flatten
+
+
+@pytest.fixture(autouse=True, params=["embedded", "agent"])
+def mode(request, monkeypatch):
+    """Every test runs with the engine embedded and through the node agent."""
+    if request.param == "agent":
+        request.getfixturevalue("agent_env")
+        monkeypatch.setenv("NEBULITE_AGENT", "1")
+    return request.param
 
 
 def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -48,9 +58,10 @@ def test_only_large_optimizer_managed_storages_are_deferred(store):
     assert not any(d and ptr in bn_ptrs for _, ptr, _, d in records.records)
 
 
-def test_checkpoints_hold_the_state_at_save_time(store):
+def test_checkpoints_hold_the_state_at_save_time(store, mode):
     nm.init(persistent_storage_path=store, async_staging=True, persistent_time_interval=0,
             num_of_version_in_retention=0)
+    assert (nm.session_info()["agent_pid"] is not None) == (mode == "agent")
     model, opt = _model()
     _step(model, opt)
     expected = {}

@@ -113,10 +113,11 @@ void RegisterEngine(nb::module_& m) {
             }
             return std::shared_ptr<Arena>(ValueOrThrow(std::move(a)));
           },
-          nb::arg("capacity"), nb::arg("prefault") = true, nb::arg("shared") = true)
+          nb::arg("capacity"), nb::arg("prefault") = false, nb::arg("shared") = true)
       .def_prop_ro("fd", &Arena::fd)
       .def_prop_ro("capacity", &Arena::capacity)
       .def_prop_ro("used", &Arena::used)
+      .def_prop_ro("resident", &Arena::resident)
       .def_prop_ro("address", [](const Arena& a) { return reinterpret_cast<uintptr_t>(a.base()); })
       .def("wait_prefaulted", [](Arena& a) {
         nb::gil_scoped_release release;
@@ -152,7 +153,7 @@ void RegisterEngine(nb::module_& m) {
             return ValueOrThrow(std::move(e));
           },
           nb::arg("persist_root"), nb::arg("rank") = 0, nb::arg("world_size") = 1,
-          nb::arg("memory_bytes") = 0, nb::arg("prefault") = true, nb::arg("copy_threads") = 0,
+          nb::arg("memory_bytes") = 0, nb::arg("prefault") = false, nb::arg("copy_threads") = 0,
           nb::arg("io_threads") = 0, nb::arg("direct_io") = true, nb::arg("retention") = 0,
           nb::arg("commit_timeout") = 600.0, nb::arg("reserve_timeout") = 600.0,
           nb::arg("write_history") = true, nb::arg("arena") = nb::none())
@@ -260,6 +261,7 @@ void RegisterEngine(nb::module_& m) {
            })
       .def_prop_ro("memory_capacity", &Engine::memory_capacity)
       .def_prop_ro("memory_used", &Engine::memory_used)
+      .def_prop_ro("memory_resident", &Engine::memory_resident)
       .def("wait_prefaulted",
            [](Engine& e) {
              nb::gil_scoped_release release;

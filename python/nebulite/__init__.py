@@ -13,20 +13,9 @@ A drop-in successor to Azure ML's Nebula: ``import nebulite as nm`` (or
 
 from __future__ import annotations
 
-from .api import (
-    COMMIT_EXPLICITLY,
-    Checkpoint,
-    flush_persistence,
-    get_checkpoint,
-    get_latest_checkpoint,
-    get_latest_checkpoint_path,
-    history,
-    init,
-    list_checkpoints,
-    session_info,
-    shutdown,
-    wait_staged,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from .errors import (
     CorruptCheckpointError,
     FailedPreconditionError,
@@ -43,7 +32,43 @@ from .errors import (
     UnsupportedVersionError,
 )
 
+if TYPE_CHECKING:
+    from .api import (
+        COMMIT_EXPLICITLY,
+        Checkpoint,
+        flush_persistence,
+        get_checkpoint,
+        get_latest_checkpoint,
+        get_latest_checkpoint_path,
+        history,
+        init,
+        list_checkpoints,
+        session_info,
+        shutdown,
+        wait_staged,
+    )
+
 __version__ = "0.1.0"
+
+# The API (and torch with it) is imported on first use, so that processes that need
+# none of it, such as the node agent, stay small.
+_API = {
+    "COMMIT_EXPLICITLY", "Checkpoint", "flush_persistence", "get_checkpoint",
+    "get_latest_checkpoint", "get_latest_checkpoint_path", "history", "init",
+    "list_checkpoints", "session_info", "shutdown", "wait_staged",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _API:
+        return getattr(importlib.import_module(".api", __name__), name)
+    if name == "api":
+        return importlib.import_module(".api", __name__)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | _API)
 
 __all__ = [
     "COMMIT_EXPLICITLY",

@@ -32,7 +32,7 @@ class Config:
     io_threads: int = 0
     copy_threads: int = 0
     direct_io: bool = True
-    prefault: bool = True
+    prefault: bool = False
     commit_timeout: float = 600.0
     async_staging: bool = False
     agent: bool = True

@@ -47,12 +47,13 @@ _RUNS_DIR = os.path.join(".nebulite", "runs")  # under a store's root; readers i
 
 
 def _hold_run_lock(root: str, run_id: str) -> int | None:
-    """Takes an exclusive lock that marks run `run_id` as alive while this process lives
-    (the kernel drops it when the process dies, even by SIGKILL)."""
+    """Takes a shared lock that marks run `run_id` as alive while this process lives
+    (the kernel drops it when the process dies, even by SIGKILL). Node agents working
+    for the run hold it too."""
     try:
         os.makedirs(os.path.join(root, _RUNS_DIR), exist_ok=True)
         fd = os.open(os.path.join(root, _RUNS_DIR, f"{run_id}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
         return fd
     except OSError as e:  # a store without locks: dead runs' leftovers are then kept
         log.warning("nebulite: cannot lock %s (%s); leftovers of dead runs are not removed", root, e)
@@ -133,7 +134,7 @@ class _Session:
             self.engine = client.attach(
                 config.persistent_storage_path, config.memory_buffer_size,
                 config.num_of_version_in_retention, config.commit_timeout, config.io_threads,
-                config.agent_idle_exit, self.rank, self.world_size)
+                config.agent_idle_exit, self.rank, self.world_size, config.prefault, self.run_id)
         else:
             self.engine = self._open_embedded(config)
         self._finish_init()
@@ -165,9 +166,9 @@ class _Session:
         if self.root:
             entries, _ = _core.read_catalog(self.root)
             self.seq = max([self.seq] + [e["seq"] for e in entries])
-            # With an agent, a dead trainer's sealed versions are still being persisted by
-            # the agent: only the embedded engine cleans up after dead runs.
-            if self.rank == 0 and not self.config.agent:
+            # A run is alive while its trainers live or an agent still works for it (the
+            # agent holds the run's lock until what it committed is in the store).
+            if self.rank == 0:
                 self._run_lock = _hold_run_lock(self.root, self.run_id)
                 _remove_dead_runs_versions(self.root, self.run_id)
 
@@ -722,6 +723,7 @@ def session_info() -> dict[str, Any]:
         "persistent_storage_path": s.root,
         "memory_capacity": s.engine.memory_capacity,
         "memory_used": s.engine.memory_used,
+        "memory_resident": s.engine.memory_resident,
         "run_id": s.run_id,
         "agent_pid": getattr(s.engine, "agent_pid", None),  # None: the engine is embedded
     }

@@ -3,6 +3,11 @@
 // a memfd that another process can map; a private one is anonymous memory backed by
 // transparent huge pages where the kernel allows, which faults several times faster.
 //
+// Memory is taken as it is needed: pages are touched when first written (or by the
+// optional background pre-fault) and stay resident afterwards, so the arena's resident
+// size is its high-water mark. TryReserve(size, /*grow=*/false) only hands out ranges
+// below that mark, which lets a caller free old blocks before touching new memory.
+//
 // Allocations are 4 KiB-aligned ranges handed out first-fit. Reserve() waits for
 // space (back-pressure) until the deadline; a request larger than the whole
 // capacity fails at once with ResourceExhausted, so that callers can stream instead.
@@ -48,18 +53,22 @@ class Arena {
   // waits until space is released or `timeout` passes (ResourceExhausted).
   Result<ArenaBlock> Reserve(uint64_t size, std::chrono::milliseconds timeout,
                              const std::function<bool()>& make_room = nullptr);
-  // Non-blocking: ResourceExhausted if it does not fit now.
-  Result<ArenaBlock> TryReserve(uint64_t size);
+  // Non-blocking: ResourceExhausted if it does not fit now. Without `grow`, only space
+  // below the resident high-water mark counts.
+  Result<ArenaBlock> TryReserve(uint64_t size, bool grow = true);
   void Release(const ArenaBlock& block);
 
   uint64_t used() const;
+  // Bytes from the start of the mapping that have been handed out (or pre-faulted) at
+  // least once: an upper bound of the arena's resident memory.
+  uint64_t resident() const;
   uint64_t largest_free() const;
   // Waits until the background pre-fault has finished (tests, benchmarks). Thread-safe.
   void WaitPrefaulted();
 
  private:
   Arena(uint8_t* base, uint64_t capacity, int fd);
-  bool TryReserveLocked(uint64_t size, ArenaBlock* out);
+  bool TryReserveLocked(uint64_t size, uint64_t limit, ArenaBlock* out);
 
   uint8_t* base_;
   uint64_t capacity_;
@@ -68,6 +77,7 @@ class Arena {
   std::condition_variable released_;
   std::map<uint64_t, uint64_t> free_;  // offset -> size, coalesced; GUARDED_BY(mu_)
   uint64_t used_ = 0;                  // GUARDED_BY(mu_)
+  uint64_t high_water_ = 0;            // GUARDED_BY(mu_)
   std::mutex join_mu_;                 // serialises joining prefault_thread_
   std::thread prefault_thread_;
   bool stop_prefault_ = false;

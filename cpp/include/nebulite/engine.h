@@ -36,7 +36,7 @@ struct EngineOptions {
   uint32_t rank = 0;
   uint32_t world_size = 1;
   uint64_t memory_bytes = 0;  // arena capacity; 0 = DefaultMemoryBytes()
-  bool prefault = true;       // touch the arena once in the background
+  bool prefault = false;      // touch the whole arena once in the background
   int copy_threads = 0;       // 0 = every CPU
   int io_threads = 0;         // 0 = 4
   bool direct_io = true;
@@ -173,6 +173,7 @@ class Engine {
   virtual Storage* storage() = 0;                 // nullptr without a store
   virtual uint64_t memory_capacity() const = 0;
   virtual uint64_t memory_used() const = 0;
+  virtual uint64_t memory_resident() const = 0;  // the arena's high-water mark
   virtual void WaitPrefaulted() = 0;
   // Stops background threads after finishing queued work (bounded by timeout).
   virtual Status Close(double timeout_seconds) = 0;

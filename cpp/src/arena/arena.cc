@@ -49,6 +49,10 @@ Result<std::unique_ptr<Arena>> Arena::Create(uint64_t capacity, bool prefault, b
           if (a->stop_prefault_) return;
         }
         uint64_t n = std::min(kPrefaultStep, a->capacity_ - off);
+        {
+          std::lock_guard<std::mutex> lock(a->mu_);
+          a->high_water_ = std::max(a->high_water_, off + n);
+        }
 #ifdef MADV_POPULATE_WRITE
         if (madvise(a->base_ + off, n, MADV_POPULATE_WRITE) == 0) continue;
 #endif
@@ -85,9 +89,10 @@ void Arena::WaitPrefaulted() {
   if (prefault_thread_.joinable()) prefault_thread_.join();
 }
 
-bool Arena::TryReserveLocked(uint64_t size, ArenaBlock* out) {
+bool Arena::TryReserveLocked(uint64_t size, uint64_t limit, ArenaBlock* out) {
   for (auto it = free_.begin(); it != free_.end(); ++it) {
     if (it->second < size) continue;
+    if (it->first + size > limit) return false;  // first fit: later ranges lie higher
     out->offset = it->first;
     out->size = size;
     uint64_t rest = it->second - size;
@@ -95,12 +100,13 @@ bool Arena::TryReserveLocked(uint64_t size, ArenaBlock* out) {
     free_.erase(it);
     if (rest > 0) free_[next] = rest;
     used_ += size;
+    high_water_ = std::max(high_water_, next);
     return true;
   }
   return false;
 }
 
-Result<ArenaBlock> Arena::TryReserve(uint64_t size) {
+Result<ArenaBlock> Arena::TryReserve(uint64_t size, bool grow) {
   size = RoundUp(std::max<uint64_t>(size, 1), kAlignment);
   if (size > capacity_) {
     return Status::ResourceExhausted("request of " + std::to_string(size) +
@@ -109,8 +115,9 @@ Result<ArenaBlock> Arena::TryReserve(uint64_t size) {
   }
   std::lock_guard<std::mutex> lock(mu_);
   ArenaBlock b;
-  if (TryReserveLocked(size, &b)) return b;
-  return Status::ResourceExhausted("the memory budget is full");
+  if (TryReserveLocked(size, grow ? capacity_ : high_water_, &b)) return b;
+  return Status::ResourceExhausted(grow ? "the memory budget is full"
+                                        : "no room below the resident high-water mark");
 }
 
 Result<ArenaBlock> Arena::Reserve(uint64_t size, std::chrono::milliseconds timeout,
@@ -125,12 +132,12 @@ Result<ArenaBlock> Arena::Reserve(uint64_t size, std::chrono::milliseconds timeo
   std::unique_lock<std::mutex> lock(mu_);
   ArenaBlock b;
   while (true) {
-    if (TryReserveLocked(size, &b)) return b;
+    if (TryReserveLocked(size, capacity_, &b)) return b;
     if (make_room) {
       lock.unlock();
       make_room();
       lock.lock();
-      if (TryReserveLocked(size, &b)) return b;
+      if (TryReserveLocked(size, capacity_, &b)) return b;
     }
     auto now = std::chrono::steady_clock::now();
     if (now >= deadline) break;
@@ -167,6 +174,11 @@ void Arena::Release(const ArenaBlock& block) {
 uint64_t Arena::used() const {
   std::lock_guard<std::mutex> lock(mu_);
   return used_;
+}
+
+uint64_t Arena::resident() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return high_water_;
 }
 
 uint64_t Arena::largest_free() const {

@@ -33,6 +33,32 @@ TEST(ArenaTest, ReservesAlignedBlocksAndReusesReleasedSpace) {
   a.WaitPrefaulted();
 }
 
+TEST(ArenaTest, GrowsOnlyWhenAskedAndReportsItsHighWaterMark) {
+  auto arena = Arena::Create(8 << 20, /*prefault=*/false);
+  ASSERT_TRUE(arena.ok());
+  Arena& a = **arena;
+  EXPECT_EQ(a.resident(), 0u);
+  EXPECT_EQ(a.TryReserve(4096, /*grow=*/false).status().code(), StatusCode::kResourceExhausted);
+  auto b1 = a.TryReserve(1 << 20);
+  ASSERT_TRUE(b1.ok());
+  EXPECT_EQ(a.resident(), 1u << 20);
+  // Below the mark, released space is handed out again without growing.
+  a.Release(*b1);
+  auto b2 = a.TryReserve(512 << 10, /*grow=*/false);
+  ASSERT_TRUE(b2.ok());
+  EXPECT_EQ(b2->offset, 0u);
+  EXPECT_FALSE(a.TryReserve(768 << 10, /*grow=*/false).ok());  // would cross the mark
+  auto b3 = a.TryReserve(768 << 10);
+  ASSERT_TRUE(b3.ok());
+  EXPECT_EQ(a.resident(), (512u << 10) + (768u << 10));
+  // The background pre-fault raises the mark over the whole capacity.
+  auto pre = Arena::Create(8 << 20, /*prefault=*/true);
+  ASSERT_TRUE(pre.ok());
+  (*pre)->WaitPrefaulted();
+  EXPECT_EQ((*pre)->resident(), (*pre)->capacity());
+  EXPECT_TRUE((*pre)->TryReserve(4 << 20, /*grow=*/false).ok());
+}
+
 TEST(ArenaTest, RejectsRequestsLargerThanTheBudget) {
   auto arena = Arena::Create(4 << 20, false);
   ASSERT_TRUE(arena.ok());

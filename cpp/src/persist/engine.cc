@@ -449,6 +449,7 @@ class EngineImpl : public Engine {
   Storage* storage() override { return storage_.get(); }
   uint64_t memory_capacity() const override { return arena_->capacity(); }
   uint64_t memory_used() const override { return arena_->used(); }
+  uint64_t memory_resident() const override { return arena_->resident(); }
   void WaitPrefaulted() override { arena_->WaitPrefaulted(); }
 
   Status Close(double timeout_seconds) override {
@@ -577,7 +578,15 @@ class EngineImpl : public Engine {
         Clock::now() + std::chrono::duration_cast<Clock::duration>(
                            std::chrono::duration<double>(opts_.reserve_timeout_seconds));
     while (true) {
-      auto b = arena_->TryReserve(size);
+      // Memory already resident first, then memory of versions that may leave, and
+      // only then new memory: the arena grows only when the state needs it.
+      auto b = arena_->TryReserve(size, /*grow=*/false);
+      if (b.ok()) return b;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (EvictOldestLocked()) continue;
+      }
+      b = arena_->TryReserve(size);
       if (b.ok()) return b;
       bool wait;
       {
@@ -763,12 +772,12 @@ class EngineImpl : public Engine {
       } else if (!job.object) {
         v->persisted = true;
         if (opts_.world_size == 1) {
-          v->store_committed = true;
           // Retention runs after the commit is visible; its failure is reported
-          // but does not undo the commit.
+          // but does not undo the commit. Flush() returns after both.
           lock.unlock();
           Status rs = ApplyStoreRetention();
           lock.lock();
+          v->store_committed = true;
           if (!rs.ok()) ReportLocked(rs);
         } else if (opts_.rank == 0) {
           coord_pending_.push_back({v, Clock::now()});

@@ -188,6 +188,37 @@ TEST(EngineTest, BackPressureRecyclesMemoryOfPersistedVersions) {
   EXPECT_LE(engine.memory_used(), engine.memory_capacity());
 }
 
+TEST(EngineTest, ReusesMemoryOfPersistedVersionsBeforeTakingMore) {
+  TempDir dir;
+  auto e = Engine::Open(Options(dir.path(), 64 << 20));
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  uint64_t one = 0;
+  for (int i = 0; i < 6; ++i) {
+    auto obj = MakeObject({100, 4 << 20}, static_cast<uint8_t>(i));
+    std::string tag = "t" + std::to_string(i);
+    auto info = engine.Stage(tag, "v", "n", obj.records);
+    ASSERT_TRUE(info.ok()) << info.status().ToString();
+    ASSERT_TRUE(engine.Commit(tag, "v", i + 1, true).ok());
+    ASSERT_TRUE(engine.Flush(60).ok());
+    if (i == 0) one = engine.memory_resident();
+  }
+  // Each checkpoint was persisted before the next: the memory of one was enough, even
+  // though the budget holds many.
+  EXPECT_GT(one, 4u << 20);
+  EXPECT_EQ(engine.memory_resident(), one);
+  auto versions = engine.Versions();
+  ASSERT_FALSE(versions.empty());
+  EXPECT_EQ(versions.back().tag, "t5");
+  // What is not committed yet is never evicted: then the arena grows.
+  auto obj = MakeObject({100, 4 << 20}, 9);
+  auto held = Engine::Open(Options("", 64 << 20));
+  ASSERT_TRUE(held.ok());
+  ASSERT_TRUE((*held)->Stage("m", "v", "a", obj.records).ok());
+  ASSERT_TRUE((*held)->Stage("m", "v", "b", obj.records).ok());
+  EXPECT_GE((*held)->memory_resident(), 2 * (4u << 20));
+}
+
 TEST(EngineTest, RetentionKeepsTheNewestCommittedVersions) {
   TempDir dir;
   auto opts = Options(dir.path());

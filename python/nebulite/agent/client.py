@@ -7,6 +7,7 @@ socket: the trainer maps the agent's arena and copies straight into it.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import fcntl
 import hashlib
@@ -60,7 +61,7 @@ def _connect(path: str) -> socket.socket | None:
 
 
 def connect_or_start(root: str | None, memory: int, retention: int, commit_timeout: float,
-                     io_threads: int, idle_exit: float) -> socket.socket:
+                     io_threads: int, idle_exit: float, prefault: bool = False) -> socket.socket:
     """Connects to the agent of this node and scope, starting it if there is none.
     Concurrent callers agree on one agent through a lock file."""
     base = runtime_dir()
@@ -83,7 +84,7 @@ def connect_or_start(root: str | None, memory: int, retention: int, commit_timeo
             [sys.executable, "-m", "nebulite.agent", "--socket", path, "--root", root or "",
              "--memory", str(memory), "--retention", str(retention),
              "--commit-timeout", str(commit_timeout), "--io-threads", str(io_threads),
-             "--idle-exit", str(idle_exit)],
+             "--idle-exit", str(idle_exit)] + (["--prefault"] if prefault else []),
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             close_fds=True)
         log.close()
@@ -99,14 +100,16 @@ def connect_or_start(root: str | None, memory: int, retention: int, commit_timeo
 
 
 def attach(root: str | None, memory: int, retention: int, commit_timeout: float,
-           io_threads: int, idle_exit: float, rank: int, world_size: int) -> "AgentEngine":
+           io_threads: int, idle_exit: float, rank: int, world_size: int,
+           prefault: bool = False, run_id: str | None = None) -> "AgentEngine":
     """Connects to (or starts) the agent and says hello. An agent that is dying while we
     connect (killed, or leaving when idle) is replaced by a new one."""
     deadline = time.monotonic() + START_TIMEOUT
     while True:
-        sock = connect_or_start(root, memory, retention, commit_timeout, io_threads, idle_exit)
+        sock = connect_or_start(root, memory, retention, commit_timeout, io_threads, idle_exit,
+                                prefault)
         try:
-            return AgentEngine(sock, rank, world_size, root)
+            return AgentEngine(sock, rank, world_size, root, run_id)
         except (ConnectionError, OSError):
             sock.close()
             if time.monotonic() > deadline:
@@ -146,15 +149,24 @@ class AgentEngine:
     """Drop-in for `_core.Engine`, backed by the node agent."""
 
     def __init__(self, sock: socket.socket, rank: int, world_size: int,
-                 root: str | None = None) -> None:
+                 root: str | None = None, run_id: str | None = None) -> None:
         self._sock = sock
         self._rank = rank
         self._root = root
         self._lock = threading.Lock()
         self._unpins: list[int] = []
+        # Asynchronous staging: deferred copies and the seals (and commits) behind them run
+        # in order on one thread; queries wait until it is idle.
+        self._jobs: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._jobs_cv = threading.Condition()
+        self._worker: threading.Thread | None = None
+        self._job_error: BaseException | None = None
         with self._lock:
-            protocol.send(sock, {"op": "hello", "version": protocol.VERSION, "rank": rank,
-                                 "world_size": world_size, "pid": os.getpid()})
+            hello = {"op": "hello", "version": protocol.VERSION, "rank": rank,
+                     "world_size": world_size, "pid": os.getpid()}
+            if run_id and run_id.isascii() and run_id.isalnum() and len(run_id) <= 64:
+                hello["run"] = run_id  # the agent keeps the run alive while it works for it
+            protocol.send(sock, hello)
             reply, fds = protocol.recv(sock, with_fds=True)
         _raise_if_error(reply)
         if not fds:
@@ -162,10 +174,11 @@ class AgentEngine:
         fd = fds[0]
         self.memory_capacity = int(reply["capacity"])
         self.agent_pid = int(reply["pid"])
-        # Map every page now (the agent has already allocated them), so that copies into
-        # the arena never take a page fault in this process.
-        flags = mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
-        self._map = mmap.mmap(fd, self.memory_capacity, flags, mmap.PROT_READ | mmap.PROT_WRITE)
+        # Pages are mapped as copies first touch them (populating the whole mapping now
+        # would make the agent's memory as large as its budget); a range reused by later
+        # saves stays mapped, so only a save that needs new memory takes page faults.
+        self._map = mmap.mmap(fd, self.memory_capacity, mmap.MAP_SHARED,
+                              mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 
@@ -195,39 +208,105 @@ class AgentEngine:
             self._call("adopt", tag=tag, version=version, name=name, size=size, crc32=crc)
             return size, time.perf_counter() - t0, True, False
         image = self._base + int(r["offset"])
+        now, later = [], []
+        for (_, src, size, *flags), (_, off, _) in zip(records, r["records"]):
+            if size:
+                (later if flags and flags[0] else now).append((image + int(off), src, size))
         try:
-            _core.copy_many([(image + int(off), src, size)
-                             for (_, src, size, *_), (_, off, _) in zip(records, r["records"])
-                             if size])
+            _core.copy_many(now)
         except BaseException:
             self._call("discard", tag=tag, version=version, name=name)
             raise
-        self._call("seal", tag=tag, version=version, name=name, persist_now=persist_now)
+        seal = {"tag": tag, "version": version, "name": name, "persist_now": persist_now}
+        if later:
+            # Copied after save() returns; the next optimizer step waits for it (the
+            # trainer's sources stay alive until then). Sealed once copied.
+            self._submit(("copy_and_seal", later, seal))
+            return int(r["bytes"]), time.perf_counter() - t0, False, True
+        if self._jobs:
+            self._submit(("call", "seal", seal))
+        else:
+            self._call("seal", **seal)
         return int(r["bytes"]), time.perf_counter() - t0, False, False
+
+    def _submit(self, job: tuple[Any, ...]) -> None:
+        with self._jobs_cv:
+            self._jobs.append(job)
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="nebulite-agent-stager",
+                                                daemon=True)
+                self._worker.start()
+            self._jobs_cv.notify_all()
+
+    def _work(self) -> None:
+        while True:
+            with self._jobs_cv:
+                while not self._jobs:
+                    self._jobs_cv.wait()
+                job = self._jobs[0]
+            try:
+                if self._job_error is None:  # after a failure, the rest is dropped
+                    if job[0] == "copy_and_seal":
+                        try:
+                            _core.copy_many(job[1])
+                        except BaseException:
+                            self._call("discard", tag=job[2]["tag"], version=job[2]["version"],
+                                       name=job[2]["name"])
+                            raise
+                        self._call("seal", **job[2])
+                    else:
+                        self._call(job[1], **job[2])
+            except BaseException as e:  # raised to the trainer by its next call
+                self._job_error = e
+            with self._jobs_cv:
+                self._jobs.popleft()
+                self._jobs_cv.notify_all()
+
+    def wait_staged(self) -> None:
+        """Blocks until deferred copies (and the seals and commits queued behind them)
+        reached the agent; raises what failed among them."""
+        with self._jobs_cv:
+            while self._jobs:
+                self._jobs_cv.wait()
+        if self._job_error is not None:
+            e, self._job_error = self._job_error, None
+            raise e
 
     def must_persist(self, tag: str, version: str) -> bool:
         return bool(self._call("must_persist", tag=tag, version=version)["value"])
 
     def commit(self, tag: str, version: str, seq: int, persist: bool) -> None:
-        self._call("commit", tag=tag, version=version, seq=seq, persist=persist)
+        fields = {"tag": tag, "version": version, "seq": seq, "persist": persist}
+        if self._jobs:  # after the seals it depends on; commit() does not wait for them
+            self._submit(("call", "commit", fields))
+        else:
+            self._call("commit", **fields)
 
     def persist(self, tag: str, version: str) -> None:
+        self.wait_staged()
         self._call("persist", tag=tag, version=version)
 
     def flush(self, timeout: float) -> None:
+        self.wait_staged()
         self._call("flush", timeout=timeout)
 
     def abandon(self, tag: str, version: str) -> None:
+        self.wait_staged()
         self._call("abandon", tag=tag, version=version)
 
     def versions(self) -> list[dict[str, Any]]:
+        self.wait_staged()
         return list(self._call("versions")["versions"])
 
     def pin(self, tag: str, version: str, name: str) -> _Lease:
+        self.wait_staged()
         r = self._call("pin", tag=tag, version=version, name=name)
         return _Lease(self, int(r["lease"]), self._base + int(r["offset"]), r["records"])
 
     def take_errors(self) -> list[tuple[str, str]]:
+        if self._job_error is not None:  # a deferred copy or seal failed
+            e, self._job_error = self._job_error, None
+            raise e
         return [tuple(e) for e in self._call("take_errors")["errors"]]
 
     def history(self) -> list[dict[str, Any]]:
@@ -237,14 +316,21 @@ class AgentEngine:
     def memory_used(self) -> int:
         return int(self._call("memory")["used"])
 
-    def wait_staged(self) -> None:  # staging through the agent is synchronous
-        pass
+    @property
+    def memory_resident(self) -> int:
+        return int(self._call("memory")["resident"])
 
     def wait_prefaulted(self) -> None:
         self._call("wait_prefaulted")
 
     def close(self, timeout: float) -> None:
         """Detaches; the agent goes on persisting what was committed."""
+        try:
+            self.wait_staged()
+        finally:
+            self._detach()
+
+    def _detach(self) -> None:
         try:
             with self._lock:
                 protocol.send(self._sock, {"op": "bye"})

@@ -13,8 +13,11 @@ directory, and the peer's uid is checked).
 from __future__ import annotations
 
 import argparse
+import fcntl
 import logging
 import os
+import re
+import shutil
 import socket
 import struct
 import sys
@@ -28,27 +31,38 @@ from . import protocol
 log = logging.getLogger("nebulite.agent")
 
 
+_RUN_ID = re.compile(r"^[0-9a-zA-Z]{1,64}$")
+
+
 class _Connection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.engine: Any = None
+        self.rank = 0
+        self.run: str | None = None
         self.reserved: set[tuple[str, str, str]] = set()
+        self.staged: set[tuple[str, str]] = set()  # versions this trainer put objects in
+        self.committed: set[tuple[str, str]] = set()
         self.leases: dict[int, Any] = {}
         self.next_lease = 1
 
 
 class Agent:
     def __init__(self, socket_path: str, root: str, memory: int, retention: int,
-                 commit_timeout: float, io_threads: int, idle_exit: float) -> None:
+                 commit_timeout: float, io_threads: int, idle_exit: float,
+                 prefault: bool = False) -> None:
         self.socket_path = socket_path
         self.root = root
         self.retention = retention
         self.commit_timeout = commit_timeout
         self.io_threads = io_threads
         self.idle_exit = idle_exit
-        self.arena = _core.Arena.create(memory or _core.default_memory_bytes(), True, True)
+        # Memory is taken as saves need it (and reused), unless asked to pre-fault it all.
+        self.arena = _core.Arena.create(memory or _core.default_memory_bytes(), prefault, True)
         self.engines: dict[tuple[int, int], Any] = {}
         self.lock = threading.Lock()
+        self.runs: dict[str, list[int]] = {}  # run id -> [lock fd, references]
+        self.cleanups = 0  # detached trainers whose leftovers are still being removed
         self.clients = 0
         self.last_detach = time.monotonic()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -76,7 +90,8 @@ class Agent:
 
     def _idle(self) -> bool:
         with self.lock:
-            if self.clients or time.monotonic() - self.last_detach < self.idle_exit:
+            if (self.clients or self.cleanups
+                    or time.monotonic() - self.last_detach < self.idle_exit):
                 return False
             engines = list(self.engines.values())
         for e in engines:
@@ -122,6 +137,67 @@ class Agent:
                     continue
             raise
 
+    # -- runs ------------------------------------------------------------------
+
+    def _hold_run(self, run: str) -> None:
+        """Marks the trainer's run as alive in the store (a shared lock on the file the
+        trainers lock too) for as long as this agent has work of it: a trainer starting
+        later removes uncommitted versions only of runs nobody holds."""
+        if not self.root:
+            return
+        with self.lock:
+            if run in self.runs:
+                self.runs[run][1] += 1
+                return
+            try:
+                d = os.path.join(self.root, ".nebulite", "runs")
+                os.makedirs(d, exist_ok=True)
+                fd = os.open(os.path.join(d, f"{run}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+                fcntl.flock(fd, fcntl.LOCK_SH)
+            except OSError as e:
+                log.warning("cannot lock run %s: %s", run, e)
+                fd = -1
+            self.runs[run] = [fd, 1]
+
+    def _release_run(self, run: str) -> None:
+        with self.lock:
+            held = self.runs.get(run)
+            if held is None:
+                return
+            held[1] -= 1
+            if held[1] == 0:
+                del self.runs[run]
+                if held[0] >= 0:
+                    os.close(held[0])
+
+    def _clean_up_after(self, c: _Connection, abandoned: list[tuple[str, str]]) -> None:
+        """Removes what a departed trainer persisted of versions it never committed,
+        once nothing of them can still be in flight, then lets its run go."""
+        try:
+            if self.root:  # what it committed must reach the store first, too
+                deadline = time.monotonic() + self.commit_timeout
+                while time.monotonic() < deadline:
+                    try:
+                        c.engine.flush(0.05)
+                        break
+                    except errors.NebuliteError:
+                        continue
+                for tag, version in abandoned:
+                    vdir = os.path.join(self.root, tag, version)
+                    shutil.rmtree(os.path.join(vdir, f"rank{c.rank}"), ignore_errors=True)
+                    for d in (vdir, os.path.join(self.root, tag)):
+                        try:
+                            os.rmdir(d)  # only once no other rank has files there
+                        except OSError:
+                            break
+                    log.info("removed %s/%s of rank %d, left uncommitted by its trainer",
+                             tag, version, c.rank)
+        finally:
+            if c.run:
+                self._release_run(c.run)
+            with self.lock:
+                self.cleanups -= 1
+
     # -- one trainer ---------------------------------------------------------
 
     def _serve(self, sock: socket.socket) -> None:
@@ -156,11 +232,20 @@ class Agent:
                 c.engine.discard(tag, version, name)
             except errors.NebuliteError:
                 pass
+        # Versions it never committed can never be: their memory goes back at once.
+        abandoned = sorted(c.staged - c.committed)
+        for tag, version in abandoned:
+            try:
+                c.engine.abandon(tag, version)
+            except errors.NebuliteError:
+                pass
         c.leases.clear()
         c.sock.close()
         with self.lock:
             self.clients -= 1
+            self.cleanups += 1
             self.last_detach = time.monotonic()
+        threading.Thread(target=self._clean_up_after, args=(c, abandoned), daemon=True).start()
 
     def _dispatch(self, c: _Connection, r: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         op = r.get("op")
@@ -171,7 +256,15 @@ class Agent:
                 rank, world = _int(r, "rank"), _int(r, "world_size")
                 if world < 1 or not 0 <= rank < world:
                     raise errors.InvalidArgumentError(f"rank {rank} outside world size {world}")
+                run = r.get("run")
+                if run is not None:
+                    if not isinstance(run, str) or not _RUN_ID.match(run):
+                        raise errors.InvalidArgumentError(f"run id {run!r} is not valid")
+                    if c.run is None:
+                        c.run = run
+                        self._hold_run(run)
                 c.engine = self.engine_for(rank, world)
+                c.rank = rank
                 return ({"ok": True, "capacity": self.arena.capacity, "pid": os.getpid()},
                         [self.arena.fd])
             if c.engine is None:
@@ -182,6 +275,7 @@ class Agent:
                 specs = [(str(n), int(s)) for n, s in r.get("records", [])]
                 offset, nbytes, records = e.reserve(*key, specs)
                 c.reserved.add(key)
+                c.staged.add(key[:2])
                 return {"ok": True, "offset": offset, "bytes": nbytes, "records": records}, []
             if op == "seal":
                 key = (_str(r, "tag"), _str(r, "version"), _str(r, "name"))
@@ -196,9 +290,11 @@ class Agent:
             if op == "adopt":
                 e.adopt(_str(r, "tag"), _str(r, "version"), _str(r, "name"), _int(r, "size"),
                         _int(r, "crc32"))
+                c.staged.add((_str(r, "tag"), _str(r, "version")))
                 return {"ok": True}, []
             if op == "commit":
                 e.commit(_str(r, "tag"), _str(r, "version"), _int(r, "seq"), bool(r.get("persist")))
+                c.committed.add((_str(r, "tag"), _str(r, "version")))
                 return {"ok": True}, []
             if op == "persist":
                 e.persist(_str(r, "tag"), _str(r, "version"))
@@ -208,6 +304,7 @@ class Agent:
                 return {"ok": True}, []
             if op == "abandon":
                 e.abandon(_str(r, "tag"), _str(r, "version"))
+                c.staged.discard((_str(r, "tag"), _str(r, "version")))
                 return {"ok": True}, []
             if op == "must_persist":
                 return {"ok": True, "value": e.must_persist(_str(r, "tag"), _str(r, "version"))}, []
@@ -232,7 +329,8 @@ class Agent:
                 self.arena.wait_prefaulted()
                 return {"ok": True}, []
             if op == "memory":
-                return {"ok": True, "capacity": self.arena.capacity, "used": self.arena.used}, []
+                return {"ok": True, "capacity": self.arena.capacity, "used": self.arena.used,
+                        "resident": self.arena.resident}, []
             raise errors.InvalidArgumentError(f"unknown op {op!r}")
         except (errors.NebuliteError, ValueError, TypeError, KeyError) as ex:
             return _error(ex), []
@@ -266,10 +364,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--commit-timeout", type=float, default=600.0)
     p.add_argument("--io-threads", type=int, default=0)
     p.add_argument("--idle-exit", type=float, default=60.0)
+    p.add_argument("--prefault", action="store_true",
+                   help="touch the whole memory budget at start instead of as saves need it")
     a = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     Agent(a.socket, a.root, a.memory, a.retention, a.commit_timeout, a.io_threads,
-          a.idle_exit).serve_forever()
+          a.idle_exit, a.prefault).serve_forever()
     return 0
 
 
