@@ -46,6 +46,29 @@ def test_init_uses_the_agent_by_default(agent_env, store, monkeypatch):
     assert nebulite.session_info()["agent_pid"] == pid
 
 
+def test_an_agent_started_by_hand_serves_the_trainers(agent_env, store):
+    cmd = [sys.executable, "-m", "nebulite.cli", "agent", "--root", store,
+           "--memory", str(64 << 20), "--idle-exit", "1"]
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        path = client.socket_path(store)
+        deadline = time.monotonic() + 30
+        while not os.path.exists(path) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        assert second.returncode == 1 and "already serves" in second.stderr
+        nebulite.init(persistent_storage_path=store, agent=True)
+        assert nebulite.session_info()["agent_pid"] == agent.pid
+        assert nebulite.session_info()["memory_capacity"] == 64 << 20
+        nebulite.Checkpoint("a").save("x", torch.ones(4))
+        nebulite.shutdown()
+        assert agent.wait(timeout=60) == 0  # idle: nothing left to persist, nobody attached
+        assert _committed(store) == ["a"]
+    finally:
+        if agent.poll() is None:
+            agent.kill()
+
+
 def test_save_and_load_through_the_agent(agent_env, store):
     nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
     state = {"w": torch.arange(100_000, dtype=torch.float32), "step": 3}

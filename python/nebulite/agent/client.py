@@ -50,6 +50,16 @@ def scope_name(root: str | None) -> str:
     return hashlib.sha1(f"{node_id()}\0{root or '<memory>'}".encode()).hexdigest()[:16]
 
 
+def socket_path(root: str | None) -> str:
+    """Where the agent of this node and storage scope listens."""
+    path = os.path.join(runtime_dir(), f"agent-{scope_name(root)}.sock")
+    if len(os.fsencode(path)) > 107:  # sockaddr_un.sun_path
+        raise errors.InvalidArgumentError(
+            f"the agent's socket path {path!r} is longer than a Unix socket allows; "
+            "set NEBULITE_RUNTIME_DIR to a shorter directory")
+    return path
+
+
 def _connect(path: str) -> socket.socket | None:
     s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
     try:
@@ -66,11 +76,7 @@ def connect_or_start(root: str | None, memory: int, retention: int, commit_timeo
     Concurrent callers agree on one agent through a lock file."""
     base = runtime_dir()
     scope = scope_name(root)
-    path = os.path.join(base, f"agent-{scope}.sock")
-    if len(os.fsencode(path)) > 107:  # sockaddr_un.sun_path
-        raise errors.InvalidArgumentError(
-            f"the agent's socket path {path!r} is longer than a Unix socket allows; "
-            "set NEBULITE_RUNTIME_DIR to a shorter directory")
+    path = socket_path(root)
     s = _connect(path)
     if s is not None:
         return s

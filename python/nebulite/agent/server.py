@@ -357,8 +357,12 @@ def _int(r: dict[str, Any], key: str) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="nebulite agent", description=__doc__)
-    p.add_argument("--socket", required=True)
-    p.add_argument("--root", default="", help="persistent storage path ('' = memory only)")
+    p.add_argument("--root", default="",
+                   help="persistent storage path, as the trainers pass it to init() "
+                        "('' = memory only)")
+    p.add_argument("--socket", default=None,
+                   help="socket to listen on (default: the one trainers of this node and "
+                        "root look for, in $NEBULITE_RUNTIME_DIR or /tmp/nebulite-<uid>)")
     p.add_argument("--memory", type=int, default=0, help="bytes of shared memory (0 = default)")
     p.add_argument("--retention", type=int, default=2)
     p.add_argument("--commit-timeout", type=float, default=600.0)
@@ -367,9 +371,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--prefault", action="store_true",
                    help="touch the whole memory budget at start instead of as saves need it")
     a = p.parse_args(argv)
+    if a.root:
+        a.root = os.path.abspath(a.root[len("file://"):] if a.root.startswith("file://") else a.root)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    Agent(a.socket, a.root, a.memory, a.retention, a.commit_timeout, a.io_threads,
-          a.idle_exit, a.prefault).serve_forever()
+
+    def make() -> Agent:
+        return Agent(a.socket, a.root, a.memory, a.retention, a.commit_timeout, a.io_threads,
+                     a.idle_exit, a.prefault)
+
+    if a.socket is not None:  # started by a trainer, which holds the start lock
+        agent = make()
+    else:  # by hand: the trainers' socket, unless an agent already serves it
+        from .client import _connect, socket_path
+
+        a.socket = socket_path(a.root or None)
+        with open(a.socket[: -len(".sock")] + ".lock", "w") as lock:
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            other = _connect(a.socket)
+            if other is not None:
+                other.close()
+                print(f"nebulite agent: an agent already serves {a.socket}", file=sys.stderr)
+                return 1
+            agent = make()
+    agent.serve_forever()
     return 0
 
 
