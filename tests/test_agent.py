@@ -269,6 +269,12 @@ def test_killing_the_agent_mid_persist_never_exposes_a_torn_checkpoint(agent_env
         if list(Path(store, "big").glob("*/COMMITTED")):
             break  # it committed before we could kill it: still a valid outcome
         time.sleep(0.001)
+    if killed:
+        while os.path.exists(f"/proc/{pid}") and time.monotonic() < deadline + 30:
+            time.sleep(0.01)
+        with pytest.raises(nebulite.AgentLostError, match="lost the node agent"):
+            nebulite.Checkpoint("lost").save("x", torch.ones(5))
+        partial = sorted(p.name for p in Path(store, "big").iterdir())
     nebulite.api._reset_for_tests()
     ck = nebulite.get_latest_checkpoint(persist_path=store)
     assert ck.tag in ("good", "big")
@@ -284,6 +290,8 @@ def test_killing_the_agent_mid_persist_never_exposes_a_torn_checkpoint(agent_env
     # A new trainer starts a new agent and goes on.
     nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=512 << 20)
     assert nebulite.api._session.engine.agent_pid != pid
+    if killed:  # the dead run's partial version was removed by the new run
+        assert partial and not any(Path(store, "big", v).exists() for v in partial)
     nebulite.Checkpoint("after").save("x", torch.ones(5))
     nebulite.flush_persistence()
     assert nebulite.get_latest_checkpoint().tag == "after"

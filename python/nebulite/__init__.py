@@ -17,6 +17,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from .errors import (
+    AgentLostError,
     CorruptCheckpointError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -71,6 +72,7 @@ def __dir__() -> list[str]:
     return sorted(set(globals()) | _API)
 
 __all__ = [
+    "AgentLostError",
     "COMMIT_EXPLICITLY",
     "Checkpoint",
     "CorruptCheckpointError",

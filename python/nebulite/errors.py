@@ -52,6 +52,12 @@ class NotInitializedError(FailedPreconditionError):
     """nebulite.init() has not been called."""
 
 
+class AgentLostError(NebuliteError, ConnectionError):
+    """The node agent this trainer was attached to is gone (killed, or its socket closed).
+    Checkpoints it had committed to the store are safe; call ``nebulite.init()`` again to
+    attach to a new agent."""
+
+
 class PersistError(NebuliteError):
     """Background persistence failed; raised on the next call after the failure."""
 

@@ -189,12 +189,18 @@ class AgentEngine:
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any]:
-        with self._lock:
-            while self._unpins:
-                protocol.send(self._sock, {"op": "unpin", "lease": self._unpins.pop()})
-                protocol.recv(self._sock)
-            protocol.send(self._sock, dict(fields, op=op))
-            reply, _ = protocol.recv(self._sock)
+        try:
+            with self._lock:
+                while self._unpins:
+                    protocol.send(self._sock, {"op": "unpin", "lease": self._unpins.pop()})
+                    protocol.recv(self._sock)
+                protocol.send(self._sock, dict(fields, op=op))
+                reply, _ = protocol.recv(self._sock)
+        except OSError as e:  # ConnectionError included
+            raise errors.AgentLostError(
+                f"lost the node agent (pid {self.agent_pid}) during {op!r}: {e}; checkpoints "
+                "it had committed to the store are safe; call nebulite.init() to attach to a "
+                "new agent") from e
         _raise_if_error(reply)
         return reply
 
