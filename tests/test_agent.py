@@ -69,6 +69,27 @@ def test_an_agent_started_by_hand_serves_the_trainers(agent_env, store):
             agent.kill()
 
 
+def test_jobs_without_a_persistent_path_share_an_agent_only_in_one_directory(
+        agent_env, tmp_path, monkeypatch):
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir()
+    b.mkdir()
+    monkeypatch.chdir(a)
+    nebulite.init(agent=True, memory_buffer_size=64 << 20)
+    first = nebulite.session_info()["agent_pid"]
+    nebulite.Checkpoint("t").save("x", torch.ones(3))
+    nebulite.shutdown()
+    monkeypatch.chdir(b)  # another job: another agent, which knows nothing of "t"
+    nebulite.init(agent=True, memory_buffer_size=64 << 20)
+    assert nebulite.session_info()["agent_pid"] not in (None, first)
+    assert nebulite.get_latest_checkpoint().tag == ""
+    nebulite.shutdown()
+    monkeypatch.chdir(a)  # the first job restarted: its checkpoint is still in memory
+    nebulite.init(agent=True, memory_buffer_size=64 << 20)
+    assert nebulite.session_info()["agent_pid"] == first
+    assert nebulite.get_latest_checkpoint().load("x").sum() == 3
+
+
 def test_save_and_load_through_the_agent(agent_env, store):
     nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
     state = {"w": torch.arange(100_000, dtype=torch.float32), "step": 3}

@@ -46,8 +46,10 @@ def node_id() -> str:
 
 
 def scope_name(root: str | None) -> str:
-    """One agent per node and storage scope."""
-    return hashlib.sha1(f"{node_id()}\0{root or '<memory>'}".encode()).hexdigest()[:16]
+    """One agent per node and storage scope: the persistent path, or, for jobs without
+    one, the working directory (so that unrelated memory-only jobs never share tags)."""
+    scope = root or f"<memory>\0{os.getcwd()}"
+    return hashlib.sha1(f"{node_id()}\0{scope}".encode()).hexdigest()[:16]
 
 
 def socket_path(root: str | None) -> str:
