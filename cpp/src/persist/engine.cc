@@ -536,11 +536,15 @@ class EngineImpl : public Engine {
       if (v->committed && (!n || v->seq > n->seq)) n = v.get();
     return n;
   }
-  bool EvictOldestLocked() {
+  // With `durable_only`, only versions whose files are persisted qualify: they stay
+  // loadable from the store, while a memory-only one would be gone.
+  bool EvictOldestLocked(bool durable_only = false) {
     const VersionState* newest = NewestCommittedLocked();
     std::shared_ptr<VersionState> victim;
     for (auto& v : versions_)
-      if (EvictableLocked(*v, newest) && (!victim || v->seq < victim->seq)) victim = v;
+      if (EvictableLocked(*v, newest) && (!durable_only || v->persisted) &&
+          (!victim || v->seq < victim->seq))
+        victim = v;
     if (!victim) return false;
     EvictLocked(victim);
     return true;
@@ -578,13 +582,14 @@ class EngineImpl : public Engine {
         Clock::now() + std::chrono::duration_cast<Clock::duration>(
                            std::chrono::duration<double>(opts_.reserve_timeout_seconds));
     while (true) {
-      // Memory already resident first, then memory of versions that may leave, and
-      // only then new memory: the arena grows only when the state needs it.
+      // Memory already resident first, then memory of versions already persisted, and
+      // only then new memory: the arena grows only when the state needs it. Versions
+      // kept in memory only leave when the budget is full.
       auto b = arena_->TryReserve(size, /*grow=*/false);
       if (b.ok()) return b;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (EvictOldestLocked()) continue;
+        if (EvictOldestLocked(/*durable_only=*/true)) continue;
       }
       b = arena_->TryReserve(size);
       if (b.ok()) return b;

@@ -210,6 +210,17 @@ TEST(EngineTest, ReusesMemoryOfPersistedVersionsBeforeTakingMore) {
   auto versions = engine.Versions();
   ASSERT_FALSE(versions.empty());
   EXPECT_EQ(versions.back().tag, "t5");
+  // Memory-only versions (never to be persisted) stay while the budget has room.
+  auto mem = Engine::Open(Options("", 64 << 20));
+  ASSERT_TRUE(mem.ok());
+  for (int i = 0; i < 3; ++i) {
+    auto o = MakeObject({100, 4 << 20}, static_cast<uint8_t>(i));
+    std::string tag = "k" + std::to_string(i);
+    ASSERT_TRUE((*mem)->Stage(tag, "v", "n", o.records).ok());
+    ASSERT_TRUE((*mem)->Commit(tag, "v", i + 1, false).ok());
+  }
+  EXPECT_EQ((*mem)->Versions().size(), 3u);
+  EXPECT_GE((*mem)->memory_resident(), 3 * (4u << 20));
   // What is not committed yet is never evicted: then the arena grows.
   auto obj = MakeObject({100, 4 << 20}, 9);
   auto held = Engine::Open(Options("", 64 << 20));
