@@ -127,7 +127,9 @@ class _Session:
                 "world_size > 1 without torch.distributed: set NEBULITE_RUN_ID to the same "
                 "value in every rank (or initialise torch.distributed before nebulite.init)"
             )
-        self.run_id = run_id or _dist.agree_on_run_id()
+        # A single-rank session (say, the global rank 0 that saves everything for
+        # Lightning's DDP) never talks to the other ranks, even with torch.distributed up.
+        self.run_id = run_id or (_dist.agree_on_run_id() if self.world_size > 1 else _dist.new_run_id())
         if config.agent:
             from .agent import client
 
@@ -394,7 +396,7 @@ class Checkpoint:
             s.last_persist is None or now - s.last_persist >= s.config.persistent_time_interval
         )
         must_here = int(s.engine.must_persist(self.tag, v.version))
-        if _dist.initialized():
+        if _dist.initialized() and s.world_size > 1:
             # Rank 0's clock decides for everyone, and rank 0 numbers the commit.
             mine = [int(due) if s.rank == 0 else 0, must_here, s.seq + 1 if s.rank == 0 else 0]
             due_all, must, seq = _dist.all_reduce_max(mine)
