@@ -132,6 +132,26 @@ def test_callback_installs_the_checkpoint_io_and_saves_the_best_at_once(tmp_path
         _assert_nebulite_file(path, store)  # teardown persisted the rest
 
 
+def test_without_a_monitor_the_interval_decides_alone(tmp_path, store):
+    """Without a monitor ModelCheckpoint's "best" is just the newest save: not is_best."""
+    ckpt_dir = tmp_path / "ckpts"
+    callback = _callback(ckpt_dir, store, interval=3600, save_top_k=-1)
+    requested: dict[str, bool] = {}
+
+    class Spy(L.Callback):
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 6:
+                requested.update({v["tag"]: v["persist_requested"] for v in nebulite.api._session.engine.versions()})
+
+    _trainer(tmp_path, 8, [callback, Spy()]).fit(TinyModule(), loader())
+    # The first save was due; the next ones wait for the interval (or teardown).
+    assert requested == {"epoch=0-step=2.ckpt": True, "epoch=0-step=4.ckpt": False, "epoch=1-step=6.ckpt": False,
+                         "last.ckpt": False}
+    for name in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt",
+                 "last.ckpt"):
+        _assert_nebulite_file(str(ckpt_dir / name), store)
+
+
 def test_resume_from_last_restores_everything(tmp_path, store):
     ckpt_dir = tmp_path / "ckpts"
     first = Probe()

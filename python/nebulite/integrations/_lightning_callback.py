@@ -52,10 +52,10 @@ class NebulaCallbackMixin:
     saving whole checkpoints, and with ``num_of_version_in_retention=0`` unless given: what
     to delete is ``ModelCheckpoint``'s decision (``save_top_k``), carried out through
     ``NebulaCheckpointIO.remove_checkpoint``. It installs ``NebulaCheckpointIO`` when the
-    strategy still has Lightning's default ``TorchCheckpointIO``, and marks the save that
-    becomes ``best_model_path`` as ``is_best``. With a DeepSpeed strategy, DeepSpeed saves:
-    the callback turns on the "nebula" block of its config instead, filled from
-    `config_params`.
+    strategy still has Lightning's default ``TorchCheckpointIO``, and, with a ``monitor``,
+    marks the save that becomes ``best_model_path`` as ``is_best``. With a DeepSpeed
+    strategy, DeepSpeed saves: the callback turns on the "nebula" block of its config
+    instead, filled from `config_params`.
     """
 
     # Set by the flavour module to its package's classes.
@@ -67,6 +67,7 @@ class NebulaCallbackMixin:
     save_top_k: int
     save_last: Any
     best_model_path: str
+    monitor: Optional[str]
 
     def __init__(self, *args: Any, config_params: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
@@ -121,7 +122,9 @@ class NebulaCallbackMixin:
     def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
         io = getattr(trainer.strategy, "checkpoint_io", None)
         if isinstance(io, self._io_class):
-            with io._saving_best(filepath == self.best_model_path):  # type: ignore[attr-defined]
+            # Without a monitor, ModelCheckpoint's "best" is merely the newest checkpoint.
+            is_best = self.monitor is not None and filepath == self.best_model_path
+            with io._saving_best(is_best):  # type: ignore[attr-defined]
                 super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
         else:
             super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
