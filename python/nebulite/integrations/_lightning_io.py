@@ -47,7 +47,6 @@ CHECKPOINT_NAME = "checkpoint"
 #: The keys of ``trainer.save_checkpoint(..., storage_options=...)`` understood here.
 STORAGE_OPTIONS = ("is_best", "persist_path")
 
-_VERSION_NAME = re.compile(r"^v[0-9a-zA-Z]+-[0-9]{6,}$")
 _RANK_DIR = re.compile(r"^rank(0|[1-9][0-9]*)$")
 
 
@@ -80,7 +79,7 @@ class _PathState:
 def _version_of_file(path: str) -> Optional[_Version]:
     """The version a data file path `<root>/<tag>/<version>/rank<R>/<name>` lies in."""
     parts = os.path.normpath(path).split(os.sep)
-    if len(parts) < 5 or not _RANK_DIR.match(parts[-2]) or not _VERSION_NAME.match(parts[-3]):
+    if len(parts) < 5 or not _RANK_DIR.match(parts[-2]) or not api._VERSION_NAME.match(parts[-3]):
         return None
     root = os.sep.join(parts[:-4]) or os.sep
     config = api._config()
