@@ -12,12 +12,9 @@ import glob
 import json
 import os
 import pickle
-import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -109,10 +106,14 @@ def test_callback_saves_through_nebulite_and_keeps_what_modelcheckpoint_keeps(tm
                        .load("checkpoint")["state_dict"]["layer.weight"])
 
 
+def _newest_in_memory(tag: str) -> dict[str, Any]:
+    return max((v for v in nebulite.api._session.engine.versions() if v["tag"] == tag), key=lambda v: v["seq"])
+
+
 def test_callback_installs_the_checkpoint_io_and_saves_the_best_at_once(tmp_path, store):
-    """Without plugins=[NebulaCheckpointIO()] the callback installs it. A long interval
-    leaves checkpoints in memory, but the best is persisted at once (is_best), and teardown
-    persists whatever Lightning's paths still name."""
+    """Without plugins=[NebulaCheckpointIO()] the callback installs it. With a long interval
+    the newest save may stay in memory, but the best is persisted at once (is_best), and
+    teardown persists whatever Lightning's paths still name."""
     ckpt_dir = tmp_path / "ckpts"
     callback = _callback(ckpt_dir, store, interval=3600, monitor="val_loss", save_top_k=1)
     seen: dict[str, Any] = {}
@@ -120,36 +121,42 @@ def test_callback_installs_the_checkpoint_io_and_saves_the_best_at_once(tmp_path
     class Spy(L.Callback):
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
             if trainer.global_step == 6:  # after the saves of steps 2 and 4
-                newest = {v["tag"]: v for v in nebulite.api._session.engine.versions()}
-                seen["best"] = newest[os.path.basename(callback.best_model_path)]["persist_requested"]
-                seen["last"] = newest["last.ckpt"]["persist_requested"]
+                seen["last_requested"] = _newest_in_memory("last.ckpt")["persist_requested"]
+                nebulite.api._session.engine.flush(60)  # what was asked for is now in the store
+                seen["best_on_disk"] = os.path.exists(callback.best_model_path)
 
     trainer = _trainer(tmp_path, 8, [callback, Spy()], val_check_interval=2, limit_val_batches=1)
     trainer.fit(TinyModule(), loader(), loader())
     assert isinstance(trainer.strategy.checkpoint_io, NebulaCheckpointIO)
-    assert seen == {"best": True, "last": False}  # the best persisted although the interval was not due
+    assert seen == {"last_requested": False, "best_on_disk": True}
     for path in (callback.best_model_path, callback.last_model_path):
         _assert_nebulite_file(path, store)  # teardown persisted the rest
 
 
-def test_without_a_monitor_the_interval_decides_alone(tmp_path, store):
-    """Without a monitor ModelCheckpoint's "best" is just the newest save: not is_best."""
+def test_an_interval_spares_only_what_no_other_path_needs(tmp_path, store):
+    """Without a monitor ModelCheckpoint's "best" is just the newest save (not is_best). A
+    checkpoint stays in memory only while its path is the one saved last: saving another
+    path persists it first, since the memory tier keeps only the newest unpersisted one."""
     ckpt_dir = tmp_path / "ckpts"
     callback = _callback(ckpt_dir, store, interval=3600, save_top_k=-1)
-    requested: dict[str, bool] = {}
+    seen: dict[str, Any] = {}
 
     class Spy(L.Callback):
         def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
-            if trainer.global_step == 6:
-                requested.update({v["tag"]: v["persist_requested"] for v in nebulite.api._session.engine.versions()})
+            if trainer.global_step == 6:  # saved: steps 2, 4, 6, each followed by last.ckpt
+                seen["last_requested"] = _newest_in_memory("last.ckpt")["persist_requested"]
+                nebulite.api._session.engine.flush(60)
+                seen["on_disk"] = sorted(p.name for p in ckpt_dir.iterdir() if p.exists())
+                seen["last_step"] = torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"]
 
     _trainer(tmp_path, 8, [callback, Spy()]).fit(TinyModule(), loader())
-    # The first save was due; the next ones wait for the interval (or teardown).
-    assert requested == {"epoch=0-step=2.ckpt": True, "epoch=0-step=4.ckpt": False, "epoch=1-step=6.ckpt": False,
-                         "last.ckpt": False}
-    for name in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt",
-                 "last.ckpt"):
+    assert seen["last_requested"] is False  # the newest last.ckpt waits for the interval
+    assert seen["on_disk"] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]
+    assert seen["last_step"] in (2, 4)  # last.ckpt names its previous, persisted checkpoint meanwhile
+    for name in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"):
         _assert_nebulite_file(str(ckpt_dir / name), store)
+    _assert_nebulite_file(str(ckpt_dir / "last.ckpt"), store)
+    assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 8  # moved at teardown
 
 
 def test_resume_from_last_restores_everything(tmp_path, store):
@@ -185,7 +192,8 @@ def test_resume_from_an_older_checkpoint_path(tmp_path, store):
     assert probe.seen["start_weights"] == {k: v.flatten().tolist() for k, v in saved["state_dict"].items()}
 
 
-def test_with_the_node_agent(tmp_path, store, private_agent):
+def test_with_the_node_agent(tmp_path, store, agent_env, monkeypatch):
+    monkeypatch.setenv("NEBULITE_AGENT", "1")  # init()'s default, which the test suite turns off
     ckpt_dir = tmp_path / "ckpts"
     first = Probe()
     _trainer(tmp_path, 4, [_callback(ckpt_dir, store), first], [NebulaCheckpointIO()]).fit(TinyModule(), loader())
@@ -196,24 +204,6 @@ def test_with_the_node_agent(tmp_path, store, private_agent):
         TinyModule(), loader(), ckpt_path="last")
     assert resumed.seen["start_step"] == 4 and resumed.seen["start_weights"] == first.seen["end_weights"]
     assert nebulite.session_info()["agent_pid"] not in (None, os.getpid())
-
-
-@pytest.fixture
-def private_agent(monkeypatch):
-    """The node agent (init()'s default) in a private runtime directory, killed afterwards."""
-    runtime = Path(tempfile.mkdtemp(prefix="nbrt-"))  # short: Unix socket paths are limited
-    monkeypatch.setenv("NEBULITE_RUNTIME_DIR", str(runtime))
-    monkeypatch.setenv("NEBULITE_AGENT", "1")
-    yield runtime
-    nebulite.api._reset_for_tests()
-    for log in runtime.glob("agent-*.log"):
-        for line in log.read_text().splitlines():
-            if "nebulite agent" in line and "serving" in line:
-                try:
-                    os.kill(int(line.split("nebulite agent ")[1].split()[0]), signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-    shutil.rmtree(runtime, ignore_errors=True)
 
 
 # -- manual saving, loading ------------------------------------------------------------------

@@ -21,7 +21,7 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from . import _core, _dist, _staging
 from ._config import Config
@@ -727,20 +727,20 @@ def flush_persistence(timeout: float | None = None) -> None:
         s.raise_background_errors()
 
 
-def _persist_version(tag: str, version: str) -> None:
-    """Persists committed `version` of `tag` now if it is held in memory only, whatever
-    ``persistent_time_interval`` says (integrations use it for checkpoints they must find
-    on disk, such as Lightning's best model)."""
+def _persist_versions(wanted: Iterable[tuple[str, str]]) -> None:
+    """Persists the committed (tag, version) pairs in `wanted` that are held in memory only,
+    now, whatever ``persistent_time_interval`` says (integrations use it for checkpoints
+    that must not leave memory unpersisted, such as those Lightning's paths name)."""
+    wanted = set(wanted)
     with _lock:
         s = _require_session()
-        if not s.root:
+        if not s.root or not wanted:
             return
         for v in s.engine.versions():
-            if v["tag"] == tag and v["version"] == version:
-                if v["in_memory"] and not v["persist_requested"] and not v["failed"]:
-                    s.engine.persist(tag, version)
-                    s.last_persist = time.monotonic()
-                return
+            if (v["tag"], v["version"]) in wanted and v["in_memory"] and not v["persist_requested"] \
+                    and not v["failed"]:
+                s.engine.persist(v["tag"], v["version"])
+                s.last_persist = time.monotonic()
 
 
 def wait_staged() -> None:

@@ -9,14 +9,17 @@ work on it.
 
 The life of a path (Lightning saves and removes on global rank 0 only):
 
-1. ``save_checkpoint`` stages a new version of the tag, commits it (in memory) and returns.
-   A path that names no valid checkpoint yet links to the new version at once (the link
-   resolves once the version is persisted); a path that does keeps its target until the
-   new version is committed in the store, so it never stops naming a loadable checkpoint.
-2. Every later call (save, remove, load, teardown) moves links to the newest of their
-   versions committed in the store, and deletes the versions they no longer name (the
-   superseded ones, and those of removed paths) once a newer version is committed in the
-   store: as retention does, never the newest, commit marker first.
+1. ``save_checkpoint`` first persists what the other paths name that is held in memory
+   only (the memory tier keeps only the newest checkpoint it is not persisting, and a
+   path must not name one that left memory unwritten), then stages a new version of the
+   tag, commits it (in memory) and returns.
+2. A link only ever names a version in the store or being persisted. A path that names
+   nothing valid links to its newest version being persisted; a path that does keeps its
+   target until a newer version is committed in the store, so it never stops naming a
+   loadable checkpoint. Every call (save, remove, load, teardown) moves links so, and
+   deletes the versions no path names any more (superseded ones, those of removed paths)
+   once a newer version is committed in the store: as retention does, never the newest,
+   commit marker first.
 3. ``teardown`` persists what the paths name that is held in memory only, waits for all
    persistence (raising its errors) and settles the links.
 
@@ -165,10 +168,13 @@ class NebulaCheckpointIOMixin:
         self._ensure_session(persist_path)
         key = os.path.abspath(os.fspath(path))
         tag = os.path.basename(key)
+        # The memory tier keeps only the newest of the checkpoints not being persisted: what
+        # other paths name must reach the store before this save can push it out of memory.
+        api._persist_versions(self._newest_pending(but=key))
         api.Checkpoint(tag, num_files=1).save(CHECKPOINT_NAME, checkpoint)
         saved = self._just_committed(tag)
         if is_best:
-            api._persist_version(tag, saved.version)
+            api._persist_versions([(tag, saved.version)])
             self.best_path = key
         if not saved.root:
             self._warn_memory_only()
@@ -177,8 +183,6 @@ class NebulaCheckpointIOMixin:
         if state is None:
             state = self._paths[key] = _PathState(current=self._linked_version(key))
         state.pending.append(saved)
-        if state.current is None and not os.path.exists(key):
-            _link(key, saved.data_file)  # nothing valid there: name the new version at once
         self._settle()
 
     def load_checkpoint(
@@ -226,10 +230,8 @@ class NebulaCheckpointIOMixin:
         if not self._paths and not self._doomed:
             return
         if api._config() is not None:
-            for state in self._paths.values():
-                if state.pending:
-                    api._persist_version(state.pending[-1].tag, state.pending[-1].version)
-                api.flush_persistence()
+            api._persist_versions(self._newest_pending())
+            api.flush_persistence()
         self._settle()
 
     # -- helpers ----------------------------------------------------------------
@@ -280,7 +282,7 @@ class NebulaCheckpointIOMixin:
                 f"{type(self).__name__}: nebulite was initialised for {info['world_size']} ranks, but "
                 "Lightning saves the whole checkpoint on global rank 0 alone, so a commit would wait "
                 "for the others forever. Initialise it before torch.distributed starts, with "
-                "api.init(..., rank=0, world_size=1), or through NebulaCallback(config_params=...)."
+                "nebulite.init(..., rank=0, world_size=1), or through NebulaCallback(config_params=...)."
             )
 
     def _just_committed(self, tag: str) -> _Version:
@@ -302,9 +304,15 @@ class NebulaCheckpointIOMixin:
             warnings.warn(
                 "nebulite has no persistent storage path: Lightning's checkpoints live in memory "
                 "only, and the paths Lightning records do not exist on disk. Set one with "
-                "NebulaCallback(config_params={'persistent_storage_path': ...}) or api.init().",
+                "NebulaCallback(config_params={'persistent_storage_path': ...}) or nebulite.init().",
                 stacklevel=3,
             )
+
+    def _newest_pending(self, but: Optional[str] = None) -> list[tuple[str, str]]:
+        """(tag, version) of the newest checkpoint saved at each path (but `but`) that is
+        not known to be in the store yet."""
+        return [(s.pending[-1].tag, s.pending[-1].version)
+                for key, s in self._paths.items() if s.pending and key != but]
 
     @staticmethod
     def _linked_version(key: str) -> Optional[_Version]:
@@ -341,28 +349,35 @@ class NebulaCheckpointIOMixin:
         return handle if handle.tag else None
 
     def _settle(self) -> None:
-        """Moves links to the newest of their versions committed in the store, and deletes
-        the versions no path names any more once a newer one is committed there."""
+        """Moves links to the newest of their versions committed in the store (a path that
+        names nothing valid meanwhile links to the newest on its way there), and deletes the
+        versions no path names any more once a newer one is committed in the store.
+
+        A link only ever names a version in the store or being persisted: one that stays in
+        memory may be superseded and dropped, and the link would dangle."""
+        in_flight = self._in_flight()
         for key, state in self._paths.items():
             stored = [i for i, v in enumerate(state.pending) if v.in_store()]
-            if not stored:
-                continue
-            i = stored[-1]
-            newest = state.pending[i]
-            if state.current is not None:
-                self._doomed.append(state.current)
-            self._doomed.extend(state.pending[:i])
-            state.current, state.pending = newest, state.pending[i + 1:]
-            if not os.path.isdir(key):
-                _link(key, newest.data_file)
-        self._collect()
+            if stored:
+                i = stored[-1]
+                newest = state.pending[i]
+                if state.current is not None:
+                    self._doomed.append(state.current)
+                self._doomed.extend(state.pending[:i])
+                state.current, state.pending = newest, state.pending[i + 1:]
+                if not os.path.isdir(key):
+                    _link(key, newest.data_file)
+            elif not os.path.exists(key):
+                coming = [v for v in state.pending if (v.tag, v.version) in in_flight]
+                if coming and os.path.realpath(key) != os.path.realpath(coming[-1].data_file):
+                    _link(key, coming[-1].data_file)  # valid once persisted, even after a crash
+        self._collect(in_flight)
 
-    def _collect(self) -> None:
+    def _collect(self, in_flight: set[tuple[str, str]]) -> None:
         if not self._doomed:
             return
         named = {v for s in self._paths.values() for v in ([s.current] if s.current else []) + s.pending}
         catalogs: dict[str, dict[tuple[str, str], int]] = {}
-        in_flight = self._in_flight()
         keep: list[_Version] = []
         for v in dict.fromkeys(self._doomed):  # unique, in order
             if v in named:
