@@ -262,6 +262,17 @@ def test_remove_checkpoint_keeps_the_newest_in_the_store(tmp_path, store):
     assert not os.path.exists(os.path.join(store, "a.ckpt"))
 
 
+def test_a_checkpoint_path_in_the_persistent_path_itself_is_refused(store):
+    """There the link and the tag's directory would have the same name."""
+    nebulite.init(persistent_storage_path=store, rank=0, world_size=1)
+    io = NebulaCheckpointIO()
+    with pytest.raises(nebulite.InvalidArgumentError, match="persistent path"):
+        io.save_checkpoint({"state_dict": {}}, os.path.join(store, "last.ckpt"))
+    io.save_checkpoint({"state_dict": {"w": torch.ones(1)}}, os.path.join(store, "lightning", "last.ckpt"))
+    io.teardown()
+    assert _committed(store) == [_assert_nebulite_file(os.path.join(store, "lightning", "last.ckpt"), store)]
+
+
 def test_fit_from_a_path_that_does_not_exist_loads_the_newest_of_its_tag(tmp_path, store):
     """Nebula's trainer.fit(ckpt_path="/path/example.ckpt"): the file name is the tag."""
     nebulite.init(persistent_storage_path=store)

@@ -168,6 +168,14 @@ class NebulaCheckpointIOMixin:
         self._ensure_session(persist_path)
         key = os.path.abspath(os.fspath(path))
         tag = os.path.basename(key)
+        config = api._config()
+        root = config.persistent_storage_path if config else None
+        if root and os.path.realpath(os.path.dirname(key)) == os.path.realpath(root):
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: {key} lies in nebulite's persistent path itself, where "
+                f"the directory of tag {tag!r} goes: save Lightning's checkpoints to another "
+                "directory (a subdirectory of the persistent path will do)"
+            )
         # The memory tier keeps only the newest of the checkpoints not being persisted: what
         # other paths name must reach the store before this save can push it out of memory.
         api._persist_versions(self._newest_pending(but=key))
