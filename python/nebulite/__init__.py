@@ -58,6 +58,9 @@ _API = {
     "get_latest_checkpoint", "get_latest_checkpoint_path", "history", "init",
     "list_checkpoints", "session_info", "shutdown", "wait_staged",
 }
+# The Lightning integration, likewise: `import nebulite` (and DeepSpeed's `import
+# torch_nebula`) never imports Lightning. Kept out of __all__ for the same reason.
+_LIGHTNING = {"NebulaCallback", "NebulaCheckpointIO", "NebulaDeepspeedStrategy"}
 
 
 def __getattr__(name: str) -> Any:
@@ -65,11 +68,16 @@ def __getattr__(name: str) -> Any:
         return getattr(importlib.import_module(".api", __name__), name)
     if name == "api":
         return importlib.import_module(".api", __name__)
+    if name in _LIGHTNING:
+        from .integrations import lightning_flavour
+
+        return getattr(lightning_flavour(), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | _API)
+    return sorted(set(globals()) | _API | _LIGHTNING)
+
 
 __all__ = [
     "AgentLostError",

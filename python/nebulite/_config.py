@@ -54,6 +54,9 @@ class Config:
         path = persistent_storage_path
         if path is None:
             path = env.get("NEBULA_PERSISTENT_STORAGE_PATH") or None
+        if isinstance(path, (tuple, list)) and len(path) == 1:
+            # Azure's documented example passes ("/tmp/test",): a trailing comma makes a tuple.
+            path = path[0]
         if path is not None:
             path = os.fspath(path)
             if not path or "\0" in path:

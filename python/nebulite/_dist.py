@@ -33,9 +33,13 @@ def all_reduce_max(values: list[int]) -> list[int]:
     return [int(x) for x in t.tolist()]
 
 
+def new_run_id() -> str:
+    return uuid.uuid4().hex[:12]
+
+
 def agree_on_run_id() -> str:
     """A run id chosen by rank 0 and shared with every rank."""
-    run_id = uuid.uuid4().hex[:12]
+    run_id = new_run_id()
     if initialized() and torch.distributed.get_world_size() > 1:
         box = [run_id]
         torch.distributed.broadcast_object_list(box, src=0)

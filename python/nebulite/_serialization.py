@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import os
 import pickle
 import secrets
 import time
@@ -169,6 +170,26 @@ class ArchiveSource:
                 f"{self.description}: written by nebulite format version {version}; "
                 f"this nebulite reads up to version {FORMAT_VERSION}. Upgrade nebulite."
             )
+
+
+_TRUE_VALUES = ("1", "y", "yes", "true")
+
+
+def resolve_weights_only(weights_only: bool | None) -> bool:
+    """torch.load's rule for `weights_only`: True unless given, forced True by
+    ``TORCH_FORCE_WEIGHTS_ONLY_LOAD``; when not given, ``TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD``
+    makes it False (the switch torch offers scripts written before its safe default)."""
+    force = os.environ.get("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE_VALUES
+    force_no = os.environ.get("TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD", "0").lower() in _TRUE_VALUES
+    if force and force_no:
+        raise InvalidArgumentError(
+            "only one of TORCH_FORCE_WEIGHTS_ONLY_LOAD and TORCH_FORCE_NO_WEIGHTS_ONLY_LOAD may be set"
+        )
+    if force:
+        return True
+    if weights_only is None:
+        return not force_no
+    return bool(weights_only)
 
 
 def load_archive(source: ArchiveSource, map_location: Any, weights_only: bool) -> Any:

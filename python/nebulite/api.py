@@ -11,6 +11,7 @@ store. Readers only ever see committed versions.
 from __future__ import annotations
 
 import atexit
+import dataclasses
 import logging
 import fcntl
 import os
@@ -20,11 +21,11 @@ import threading
 import time
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Iterable
 
 from . import _core, _dist, _staging
 from ._config import Config
-from ._serialization import ArchiveSource, flatten, load_archive
+from ._serialization import ArchiveSource, flatten, load_archive, resolve_weights_only
 from .errors import (
     CorruptCheckpointError,
     FailedPreconditionError,
@@ -127,7 +128,9 @@ class _Session:
                 "world_size > 1 without torch.distributed: set NEBULITE_RUN_ID to the same "
                 "value in every rank (or initialise torch.distributed before nebulite.init)"
             )
-        self.run_id = run_id or _dist.agree_on_run_id()
+        # A single-rank session (say, the global rank 0 that saves everything for
+        # Lightning's DDP) never talks to the other ranks, even with torch.distributed up.
+        self.run_id = run_id or (_dist.agree_on_run_id() if self.world_size > 1 else _dist.new_run_id())
         if config.agent:
             from .agent import client
 
@@ -253,10 +256,13 @@ def init(
 
     Calling init() again drains the previous configuration's pending work first.
     """
-    global _session
-    config = Config.resolve(
+    _open(Config.resolve(
         persistent_storage_path, persistent_time_interval, num_of_version_in_retention, dict(more)
-    )
+    ))
+
+
+def _open(config: Config) -> None:
+    global _session
     with _lock:
         if _session is not None:
             old, _session = _session, None
@@ -265,6 +271,20 @@ def init(
         _session = _Session(config)
         if config.async_staging:
             _staging.enable(_session.wait_staged)
+
+
+def _config() -> Config | None:
+    """The settings of the current session (None before init())."""
+    return _session.config if _session is not None else None
+
+
+def _reopen_with_path(persistent_storage_path: str | os.PathLike[str]) -> None:
+    """init() again with the current settings but another persistent path (pending
+    checkpoints of the previous path are drained first)."""
+    with _lock:
+        config = _require_session().config
+        _open(dataclasses.replace(
+            config, persistent_storage_path=os.path.abspath(os.fspath(persistent_storage_path))))
 
 
 def _shutdown() -> None:
@@ -394,7 +414,7 @@ class Checkpoint:
             s.last_persist is None or now - s.last_persist >= s.config.persistent_time_interval
         )
         must_here = int(s.engine.must_persist(self.tag, v.version))
-        if _dist.initialized():
+        if _dist.initialized() and s.world_size > 1:
             # Rank 0's clock decides for everyone, and rank 0 numbers the commit.
             mine = [int(due) if s.rank == 0 else 0, must_here, s.seq + 1 if s.rank == 0 else 0]
             due_all, must, seq = _dist.all_reduce_max(mine)
@@ -411,12 +431,14 @@ class Checkpoint:
 
     # -- reading --------------------------------------------------------------
 
-    def load(self, name: str, map_location: Any = None, *, weights_only: bool = True) -> Any:
+    def load(self, name: str, map_location: Any = None, *, weights_only: bool | None = None) -> Any:
         """Loads object `name` of this committed checkpoint.
 
         Reads from the memory tier when the version is there, else from the store.
-        ``weights_only`` has ``torch.load``'s meaning and default (True).
+        ``weights_only`` has ``torch.load``'s meaning and default: True unless given,
+        including torch's ``TORCH_FORCE_(NO_)WEIGHTS_ONLY_LOAD`` environment switches.
         """
+        weights_only = resolve_weights_only(weights_only)
         if not self._committed:
             if self.tag == "":
                 raise NotFoundError("no valid checkpoint: this handle has an empty tag")
@@ -623,12 +645,20 @@ def get_latest_checkpoint(persist_path: str | os.PathLike[str] | None = None) ->
         return _first_intact(_candidates(persist_path))
 
 
-def get_checkpoint(tag: str | None = None, persist_path: str | os.PathLike[str] | None = None) -> Checkpoint:
-    """The newest committed version of `tag` (the latest checkpoint when `tag` is None)."""
+def get_checkpoint(
+    tag: str | None = None,
+    persist_path: str | os.PathLike[str] | None = None,
+    version: str | None = None,
+) -> Checkpoint:
+    """The newest committed version of `tag` (the latest checkpoint when `tag` is None), or
+    with `version` (a version name, as in ``list_checkpoints()``) that committed version."""
     if tag is None:
+        if version is not None:
+            raise InvalidArgumentError("get_checkpoint: a version needs its tag")
         return get_latest_checkpoint(persist_path)
     with _lock:
-        return _first_intact([e for e in _candidates(persist_path) if e["tag"] == tag])
+        return _first_intact([e for e in _candidates(persist_path)
+                              if e["tag"] == tag and version in (None, e["version"])])
 
 
 def list_checkpoints(persist_path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
@@ -653,10 +683,16 @@ def list_checkpoints(persist_path: str | os.PathLike[str] | None = None) -> list
 
 def get_latest_checkpoint_path(name: str, persist_path: str | os.PathLike[str] | None = None) -> str:
     """Path of object `name` in the newest *persisted* committed checkpoint holding it:
-    a real file that ``torch.load`` reads. Raises NotFoundError when there is none."""
+    a real file that ``torch.load`` (and Lightning's ``load_from_checkpoint``) reads.
+    Checkpoints of this process already on their way to that path are waited for first.
+    Raises NotFoundError when there is none."""
     _validate(name, "name")
     with _lock:
-        root = _resolve_root(persist_path)
+        s, root = _session, _resolve_root(persist_path)
+    if s is not None and s.root is not None and s.root == root:
+        s.engine.flush(s.config.commit_timeout)
+        s.raise_background_errors()
+    with _lock:
         if root is None or not os.path.isdir(root):
             raise NotFoundError(f"no persistent storage path to look for {name!r} in")
         for e in sorted(_store_entries(root), key=lambda e: e["seq"], reverse=True):
@@ -689,6 +725,22 @@ def flush_persistence(timeout: float | None = None) -> None:
         engine.flush(timeout if timeout is not None else s.config.commit_timeout)
     finally:
         s.raise_background_errors()
+
+
+def _persist_versions(wanted: Iterable[tuple[str, str]]) -> None:
+    """Persists the committed (tag, version) pairs in `wanted` that are held in memory only,
+    now, whatever ``persistent_time_interval`` says (integrations use it for checkpoints
+    that must not leave memory unpersisted, such as those Lightning's paths name)."""
+    wanted = set(wanted)
+    with _lock:
+        s = _require_session()
+        if not s.root or not wanted:
+            return
+        for v in s.engine.versions():
+            if (v["tag"], v["version"]) in wanted and v["in_memory"] and not v["persist_requested"] \
+                    and not v["failed"]:
+                s.engine.persist(v["tag"], v["version"])
+                s.last_persist = time.monotonic()
 
 
 def wait_staged() -> None:

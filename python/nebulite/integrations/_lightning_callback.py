@@ -1,0 +1,130 @@
+"""``NebulaCallback``: Lightning's ``ModelCheckpoint`` with nebulite doing the saving, apart
+from the Lightning package that hosts it (see lightning.py and pytorch_lightning.py)."""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, Optional
+
+from .. import api
+from .._config import Config
+
+#: Keys of DeepSpeed's "nebula" config block that NebulaCallback's config_params may fill.
+DEEPSPEED_NEBULA_KEYS = (
+    "persistent_storage_path",
+    "persistent_time_interval",
+    "num_of_version_in_retention",
+    "enable_nebula_load",
+    "nebula_load_path",
+)
+
+
+def enable_nebula(config: dict[str, Any], params: Mapping[str, Any]) -> None:
+    """Turns on the "nebula" block of a DeepSpeed config; `params` fill keys it lacks."""
+    block = dict(config.get("nebula") or {})
+    block["enabled"] = True
+    for key in DEEPSPEED_NEBULA_KEYS:
+        if key in params:
+            block.setdefault(key, params[key])
+    config["nebula"] = block
+
+
+def _resolved(params: Mapping[str, Any]) -> Config:
+    more = dict(params)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # init() itself warns about unknown options
+        return Config.resolve(
+            more.pop("persistent_storage_path", None),
+            more.pop("persistent_time_interval", None),
+            more.pop("num_of_version_in_retention", None),
+            more,
+        )
+
+
+class NebulaCallbackMixin:
+    """The behaviour of ``NebulaCallback``.
+
+    ``NebulaCallback(*ModelCheckpoint_args, config_params={...}, **ModelCheckpoint_kwargs)``
+    decides when to save and what to keep exactly as ``ModelCheckpoint`` does. At setup it
+    initialises nebulite on every rank with `config_params` (the arguments of
+    ``nebulite.init``; without them, an existing ``nebulite.init()`` stands), as one rank
+    saving whole checkpoints, and with ``num_of_version_in_retention=0`` unless given: what
+    to delete is ``ModelCheckpoint``'s decision (``save_top_k``), carried out through
+    ``NebulaCheckpointIO.remove_checkpoint``. It installs ``NebulaCheckpointIO`` when the
+    strategy still has Lightning's default ``TorchCheckpointIO``, and, with a ``monitor``,
+    marks the save that becomes ``best_model_path`` as ``is_best``. With a DeepSpeed
+    strategy, DeepSpeed saves: the callback turns on the "nebula" block of its config
+    instead, filled from `config_params`.
+    """
+
+    # Set by the flavour module to its package's classes.
+    _io_class: type
+    _torch_io_class: type
+    _deepspeed_class: type
+
+    # ModelCheckpoint's attributes this mixin reads.
+    save_top_k: int
+    save_last: Any
+    best_model_path: str
+    monitor: Optional[str]
+
+    def __init__(self, *args: Any, config_params: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.config_params: dict[str, Any] = dict(config_params or {})
+
+    def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        super().setup(trainer, pl_module, stage)  # type: ignore[misc]
+        strategy = trainer.strategy
+        if isinstance(strategy, self._deepspeed_class):
+            enable_nebula(strategy.config, self.config_params)
+            return
+        io = strategy.checkpoint_io
+        if type(io) is self._torch_io_class:
+            strategy.checkpoint_io = self._io_class()
+        elif not isinstance(io, self._io_class):
+            warnings.warn(
+                f"NebulaCallback: the strategy saves through {type(io).__name__}, not "
+                "NebulaCheckpointIO: checkpoints are not saved by nebulite. Pass "
+                "Trainer(plugins=[NebulaCheckpointIO()]).",
+                stacklevel=2,
+            )
+        self._init_nebulite()
+        self._check_retention()
+
+    def _init_nebulite(self) -> None:
+        if not self.config_params and api._config() is not None:
+            return  # the user's own nebulite.init() stands
+        params = dict(self.config_params)
+        params.setdefault("num_of_version_in_retention", 0)
+        params.setdefault("rank", 0)
+        params.setdefault("world_size", 1)
+        if api._config() == _resolved(params):
+            return  # already initialised so (a second fit, or another NebulaCallback)
+        api.init(**params)
+
+    def _check_retention(self) -> None:
+        config = api._config()
+        keep = config.num_of_version_in_retention if config else 0
+        if keep == 0:
+            return
+        needed = None if self.save_top_k < 0 else self.save_top_k + (1 if self.save_last else 0) + 1
+        if needed is None or keep < needed:
+            warnings.warn(
+                f"nebulite keeps {keep} checkpoint versions (num_of_version_in_retention), fewer "
+                f"than this callback keeps (save_top_k={self.save_top_k}, save_last={self.save_last}) "
+                "plus the one being replaced: retention may delete checkpoints whose paths Lightning "
+                "still records. Leave num_of_version_in_retention out of config_params (or set it "
+                "to 0) to let the callback decide.",
+                stacklevel=3,
+            )
+
+    def _save_checkpoint(self, trainer: Any, filepath: str) -> None:
+        io = getattr(trainer.strategy, "checkpoint_io", None)
+        if isinstance(io, self._io_class):
+            # Without a monitor, ModelCheckpoint's "best" is merely the newest checkpoint.
+            is_best = self.monitor is not None and filepath == self.best_model_path
+            with io._saving_best(is_best):  # type: ignore[attr-defined]
+                super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
+        else:
+            super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]

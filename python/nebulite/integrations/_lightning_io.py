@@ -1,0 +1,419 @@
+"""Lightning's ``CheckpointIO`` through nebulite, apart from the Lightning package that hosts
+it (``lightning`` or ``pytorch_lightning``; see lightning.py and pytorch_lightning.py).
+
+Lightning names every checkpoint by a path. Here the path's base name is the nebulite tag,
+the checkpoint dict is the object ``checkpoint`` of that tag, and the path itself becomes a
+symbolic link to the committed data file, a ``torch.save`` archive: Lightning's own
+filesystem checks (``ckpt_path="last"``), ``torch.load`` and ``load_from_checkpoint`` all
+work on it.
+
+The life of a path (Lightning saves and removes on global rank 0 only):
+
+1. ``save_checkpoint`` first persists what the other paths name that is held in memory
+   only (the memory tier keeps only the newest checkpoint it is not persisting, and a
+   path must not name one that left memory unwritten), then stages a new version of the
+   tag, commits it (in memory) and returns.
+2. A link only ever names a version in the store or being persisted. A path that names
+   nothing valid links to its newest version being persisted; a path that does keeps its
+   target until a newer version is committed in the store, so it never stops naming a
+   loadable checkpoint. Every call (save, remove, load, teardown) moves links so, and
+   deletes the versions no path names any more (superseded ones, those of removed paths)
+   once a newer version is committed in the store: as retention does, never the newest,
+   commit marker first.
+3. ``teardown`` persists what the paths name that is held in memory only, waits for all
+   persistence (raising its errors) and settles the links.
+
+Not thread-safe: Lightning calls a CheckpointIO from its training loop only.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import shutil
+import warnings
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Optional
+
+from .. import _core, api
+from ..errors import InvalidArgumentError
+
+log = logging.getLogger("nebulite")
+
+#: The object name every Lightning checkpoint is saved under; what Nebula's
+#: ``get_latest_checkpoint_path("checkpoint", persist_path)`` looks for.
+CHECKPOINT_NAME = "checkpoint"
+
+#: The keys of ``trainer.save_checkpoint(..., storage_options=...)`` understood here.
+STORAGE_OPTIONS = ("is_best", "persist_path")
+
+_RANK_DIR = re.compile(r"^rank(0|[1-9][0-9]*)$")
+
+
+@dataclass(frozen=True)
+class _Version:
+    """One committed version of a tag in the store rooted at `root`."""
+
+    root: str
+    tag: str
+    version: str
+
+    @property
+    def directory(self) -> str:
+        return os.path.join(self.root, self.tag, self.version)
+
+    @property
+    def data_file(self) -> str:
+        return os.path.join(self.root, _core.data_file_path(self.tag, self.version, 0, CHECKPOINT_NAME))
+
+    def in_store(self) -> bool:
+        return os.path.isfile(os.path.join(self.directory, "COMMITTED"))
+
+
+@dataclass
+class _PathState:
+    current: Optional[_Version] = None  # what the link names: committed in the store
+    pending: list[_Version] = field(default_factory=list)  # saved since, oldest first
+
+
+def _version_of_file(path: str) -> Optional[_Version]:
+    """The version a data file path `<root>/<tag>/<version>/rank<R>/<name>` lies in."""
+    parts = os.path.normpath(path).split(os.sep)
+    if len(parts) < 5 or not _RANK_DIR.match(parts[-2]) or not api._VERSION_NAME.match(parts[-3]):
+        return None
+    root = os.sep.join(parts[:-4]) or os.sep
+    config = api._config()
+    if config and config.persistent_storage_path and os.path.realpath(config.persistent_storage_path) == root:
+        root = config.persistent_storage_path  # the spelling the session knows its memory tier by
+    return _Version(root, parts[-4], parts[-3])
+
+
+def _fsync_dir(path: str) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def _delete_version(v: _Version) -> None:
+    """Deletes a committed version the way retention does (docs/format.md, Retention):
+    the commit marker first, durably, then the files, then the tag's directory if empty."""
+    try:
+        os.unlink(os.path.join(v.directory, "COMMITTED"))
+    except FileNotFoundError:
+        pass
+    _fsync_dir(v.directory)
+    shutil.rmtree(v.directory, ignore_errors=True)
+    tag_dir = os.path.dirname(v.directory)
+    _fsync_dir(tag_dir)
+    try:
+        os.rmdir(tag_dir)  # only if empty: a new version of the tag may be starting
+    except OSError:
+        return
+    _fsync_dir(v.root)
+
+
+def _link(path: str, target: str) -> None:
+    """Makes `path` a symbolic link to `target` (relative, so that a store moved together
+    with the checkpoint directory keeps working), replacing what was there atomically."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.nebulite-{os.getpid()}")
+    try:
+        os.unlink(tmp)
+    except FileNotFoundError:
+        pass
+    os.symlink(os.path.relpath(target, directory), tmp)
+    os.replace(tmp, path)
+
+
+class NebulaCheckpointIOMixin:
+    """The behaviour of ``NebulaCheckpointIO``; see the module docstring."""
+
+    #: Loads a file nebulite did not write, as Lightning's own TorchCheckpointIO would
+    #: (set by the flavour module to its package's ``cloud_io._load``).
+    _torch_load: Callable[..., Any]
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._paths: dict[str, _PathState] = {}
+        self._doomed: list[_Version] = []
+        self._best_hint = False
+        self._warned_memory_only = False
+        #: The path of the last checkpoint saved with ``is_best`` (None before).
+        self.best_path: Optional[str] = None
+
+    # -- CheckpointIO ---------------------------------------------------------
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], path: str | os.PathLike[str], storage_options: Optional[Any] = None
+    ) -> None:
+        """Stages `checkpoint` as object ``checkpoint`` of tag ``basename(path)`` and returns
+        once it is in memory; see the module docstring for what `path` becomes.
+
+        `storage_options` may hold ``is_best`` (persist this checkpoint at once, whatever
+        ``persistent_time_interval`` says) and ``persist_path`` (the persistent storage path
+        to save to; nebulite is initialised, or re-initialised, with it).
+        """
+        is_best, persist_path = self._parse_storage_options(storage_options)
+        self._ensure_session(persist_path)
+        key = os.path.abspath(os.fspath(path))
+        tag = os.path.basename(key)
+        config = api._config()
+        root = config.persistent_storage_path if config else None
+        if root and os.path.realpath(os.path.dirname(key)) == os.path.realpath(root):
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: {key} lies in nebulite's persistent path itself, where "
+                f"the directory of tag {tag!r} goes: save Lightning's checkpoints to another "
+                "directory (a subdirectory of the persistent path will do)"
+            )
+        # The memory tier keeps only the newest of the checkpoints not being persisted: what
+        # other paths name must reach the store before this save can push it out of memory.
+        api._persist_versions(self._newest_pending(but=key))
+        api.Checkpoint(tag, num_files=1).save(CHECKPOINT_NAME, checkpoint)
+        saved = self._just_committed(tag)
+        if is_best:
+            api._persist_versions([(tag, saved.version)])
+            self.best_path = key
+        if not saved.root:
+            self._warn_memory_only()
+            return
+        state = self._paths.get(key)
+        if state is None:
+            state = self._paths[key] = _PathState(current=self._linked_version(key))
+        state.pending.append(saved)
+        self._settle()
+
+    def load_checkpoint(
+        self,
+        path: str | os.PathLike[str],
+        map_location: Optional[Any] = None,
+        weights_only: Optional[bool] = None,
+    ) -> dict[str, Any]:
+        """Loads the checkpoint at `path`: the version this process last saved there, else
+        the one its link names, else (for a path that does not exist) the newest committed
+        checkpoint of tag ``basename(path)``; memory tier first. A file nebulite did not
+        write is read with ``torch.load``.
+
+        ``weights_only`` has ``torch.load``'s meaning and default (True unless given, and
+        torch's ``TORCH_FORCE_(NO_)WEIGHTS_ONLY_LOAD`` switches apply): Lightning's own
+        checkpoints hold only tensors and plain Python values. For a checkpoint you trust
+        that holds other objects (say, a hyperparameter of your own class), pass
+        ``trainer.fit(..., weights_only=False)``.
+        """
+        self._settle()
+        key = os.path.abspath(os.fspath(path))
+        handle = self._find(key)
+        if handle is None:
+            if os.path.exists(key):  # not nebulite's: say, saved by torch.save before switching
+                return self._torch_load(key, map_location=map_location, weights_only=weights_only)
+            raise FileNotFoundError(f"Checkpoint file not found: {path}")
+        return handle.load(CHECKPOINT_NAME, map_location=map_location, weights_only=weights_only)
+
+    def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
+        """Removes `path` from Lightning's view at once; the versions it named are deleted
+        from the store once a newer version is committed there (retention's rule)."""
+        key = os.path.abspath(os.fspath(path))
+        state = self._paths.pop(key, None) or _PathState(current=self._linked_version(key))
+        self._doomed.extend(([state.current] if state.current else []) + state.pending)
+        if os.path.islink(key) or os.path.isfile(key):
+            os.unlink(key)
+        elif os.path.isdir(key):
+            shutil.rmtree(key)
+        self._settle()
+
+    def teardown(self) -> None:
+        """Persists what the paths name that is in memory only, waits until every pending
+        checkpoint is committed in the store, raises any background persistence error
+        (``nebulite.PersistError``), and settles the links."""
+        if not self._paths and not self._doomed:
+            return
+        if api._config() is not None:
+            api._persist_versions(self._newest_pending())
+            api.flush_persistence()
+        self._settle()
+
+    # -- helpers ----------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def _saving_best(self, is_best: bool) -> Iterator[None]:
+        """Saves within count as ``is_best`` unless storage_options say otherwise
+        (NebulaCallback marks the save that becomes ``best_model_path``)."""
+        self._best_hint = is_best
+        try:
+            yield
+        finally:
+            self._best_hint = False
+
+    def _parse_storage_options(self, storage_options: Optional[Any]) -> tuple[bool, Optional[str]]:
+        if storage_options is None:
+            return self._best_hint, None
+        if not isinstance(storage_options, Mapping):
+            raise TypeError(
+                f"{type(self).__name__}: storage_options must be a dict with keys among "
+                f"{list(STORAGE_OPTIONS)}, got {type(storage_options).__name__}"
+            )
+        unknown = sorted(set(storage_options) - set(STORAGE_OPTIONS))
+        if unknown:
+            raise TypeError(
+                f"{type(self).__name__}: unknown storage_options {unknown}; "
+                f"the keys understood are {list(STORAGE_OPTIONS)}"
+            )
+        persist_path = storage_options.get("persist_path")
+        is_best = bool(storage_options.get("is_best", self._best_hint))
+        return is_best, os.fspath(persist_path) if persist_path is not None else None
+
+    def _ensure_session(self, persist_path: Optional[str]) -> None:
+        """nebulite initialised for one rank (Lightning saves the whole checkpoint on global
+        rank 0), at `persist_path` when given."""
+        config = api._config()
+        if config is None:
+            kwargs: dict[str, Any] = {"rank": 0, "world_size": 1}
+            if persist_path is not None:
+                kwargs["persistent_storage_path"] = persist_path
+            api.init(**kwargs)
+        elif persist_path is not None and config.persistent_storage_path != os.path.abspath(persist_path):
+            log.info("nebulite: persist_path %s: re-initialising nebulite with it", persist_path)
+            api._reopen_with_path(persist_path)
+        info = api.session_info()
+        if info["world_size"] > 1:
+            raise InvalidArgumentError(
+                f"{type(self).__name__}: nebulite was initialised for {info['world_size']} ranks, but "
+                "Lightning saves the whole checkpoint on global rank 0 alone, so a commit would wait "
+                "for the others forever. Initialise it before torch.distributed starts, with "
+                "nebulite.init(..., rank=0, world_size=1), or through NebulaCallback(config_params=...)."
+            )
+
+    def _just_committed(self, tag: str) -> _Version:
+        config = api._config()
+        root = config.persistent_storage_path if config else None
+        session = api._session
+        assert session is not None
+        mine = [v for v in session.engine.versions()
+                if v["tag"] == tag and v["version"].startswith(f"v{session.run_id}-")]
+        if mine:
+            version = max(mine, key=lambda v: v["seq"])["version"]
+        else:  # already gone from the engine's list: ask the catalog
+            version = api.get_checkpoint(tag=tag).version or ""
+        return _Version(root or "", tag, version)
+
+    def _warn_memory_only(self) -> None:
+        if not self._warned_memory_only:
+            self._warned_memory_only = True
+            warnings.warn(
+                "nebulite has no persistent storage path: Lightning's checkpoints live in memory "
+                "only, and the paths Lightning records do not exist on disk. Set one with "
+                "NebulaCallback(config_params={'persistent_storage_path': ...}) or nebulite.init().",
+                stacklevel=3,
+            )
+
+    def _newest_pending(self, but: Optional[str] = None) -> list[tuple[str, str]]:
+        """(tag, version) of the newest checkpoint saved at each path (but `but`) that is
+        not known to be in the store yet."""
+        return [(s.pending[-1].tag, s.pending[-1].version)
+                for key, s in self._paths.items() if s.pending and key != but]
+
+    @staticmethod
+    def _linked_version(key: str) -> Optional[_Version]:
+        """The version the (possibly dangling) link at `key` names, if it is nebulite's."""
+        if not os.path.islink(key):
+            return None
+        return _version_of_file(os.path.realpath(key))
+
+    def _find(self, key: str) -> Any:
+        """A handle on the committed version `key` holds, or None."""
+        candidates: list[_Version] = []
+        state = self._paths.get(key)
+        if state is not None:  # what this process saved there, newest first
+            candidates += reversed(state.pending)
+            candidates += [state.current] if state.current else []
+        linked = self._linked_version(key)
+        if linked is None and os.path.isfile(key):
+            linked = _version_of_file(os.path.realpath(key))  # a data file given directly
+        if linked is not None:
+            candidates.append(linked)
+        for v in candidates:
+            handle = api.get_checkpoint(tag=v.tag, persist_path=v.root or None, version=v.version)
+            if handle.tag:
+                return handle
+        if os.path.exists(key) and linked is None:
+            return None  # a file of its own, not nebulite's
+        # Nothing there (or a link to a version that is gone): the newest of the tag, as
+        # Nebula did for trainer.fit(ckpt_path=".../<tag>").
+        tag = os.path.basename(key)
+        try:
+            handle = api.get_checkpoint(tag=tag, persist_path=linked.root if linked else None)
+        except InvalidArgumentError:
+            return None
+        return handle if handle.tag else None
+
+    def _settle(self) -> None:
+        """Moves links to the newest of their versions committed in the store (a path that
+        names nothing valid meanwhile links to the newest on its way there), and deletes the
+        versions no path names any more once a newer one is committed in the store.
+
+        A link only ever names a version in the store or being persisted: one that stays in
+        memory may be superseded and dropped, and the link would dangle."""
+        in_flight = self._in_flight()
+        for key, state in self._paths.items():
+            stored = [i for i, v in enumerate(state.pending) if v.in_store()]
+            if stored:
+                i = stored[-1]
+                newest = state.pending[i]
+                if state.current is not None:
+                    self._doomed.append(state.current)
+                self._doomed.extend(state.pending[:i])
+                state.current, state.pending = newest, state.pending[i + 1:]
+                if not os.path.isdir(key):
+                    _link(key, newest.data_file)
+            elif not os.path.exists(key):
+                coming = [v for v in state.pending if (v.tag, v.version) in in_flight]
+                if coming and os.path.realpath(key) != os.path.realpath(coming[-1].data_file):
+                    _link(key, coming[-1].data_file)  # valid once persisted, even after a crash
+        self._collect(in_flight)
+
+    def _collect(self, in_flight: set[tuple[str, str]]) -> None:
+        if not self._doomed:
+            return
+        named = {v for s in self._paths.values() for v in ([s.current] if s.current else []) + s.pending}
+        catalogs: dict[str, dict[tuple[str, str], int]] = {}
+        keep: list[_Version] = []
+        for v in dict.fromkeys(self._doomed):  # unique, in order
+            if v in named:
+                continue
+            if v.root not in catalogs:
+                entries, _ = _core.read_catalog(v.root) if os.path.isdir(v.root) else ([], [])
+                catalogs[v.root] = {(e["tag"], e["version"]): int(e["seq"]) for e in entries}
+            catalog = catalogs[v.root]
+            seq = catalog.get((v.tag, v.version))
+            if seq is None:
+                if (v.tag, v.version) in in_flight:
+                    keep.append(v)  # on its way to the store: deleted once it is there
+                continue
+            if any(other > seq for other in catalog.values()):
+                log.info("nebulite: deleting %s (no longer named by Lightning)", v.directory)
+                _delete_version(v)
+                del catalog[(v.tag, v.version)]
+            else:
+                keep.append(v)  # the newest in the store: kept until a newer one is committed
+        self._doomed = keep
+
+    @staticmethod
+    def _in_flight() -> set[tuple[str, str]]:
+        session = api._session
+        if session is None:
+            return set()
+        return {
+            (v["tag"], v["version"])
+            for v in session.engine.versions()
+            if v["persist_requested"] and not v["failed"]
+        }

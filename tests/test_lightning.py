@@ -1,0 +1,459 @@
+"""Lightning through nebulite: NebulaCheckpointIO, NebulaCallback and NebulaDeepspeedStrategy
+with a real Trainer on the CPU (see docs/lightning.md).
+
+Each test proves nebulite did the saving: the paths Lightning records are links to
+committed nebulite data files (a COMMITTED marker, the nebulite index record, a row in the
+history), never files written by torch.save.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+import nebulite
+import nebulite.api
+from nebulite import _core
+from nebulite.integrations.lightning import NebulaCallback, NebulaCheckpointIO
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "lightning_worker.py")
+sys.path.insert(0, os.path.dirname(WORKER))
+from lightning_worker import Probe, TinyModule, loader, weights  # noqa: E402
+
+TIMEOUT = 300
+
+
+class Opaque:
+    """A hyperparameter of a type weights-only loading does not allow."""
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+
+def _trainer(root: Path, max_steps: int, callbacks: list[Any] = (), plugins: list[Any] = (), **kw: Any) -> L.Trainer:
+    kw.setdefault("enable_checkpointing", any(isinstance(c, L.pytorch.callbacks.ModelCheckpoint) for c in callbacks))
+    return L.Trainer(default_root_dir=str(root), max_steps=max_steps, accelerator="cpu", devices=1,
+                     callbacks=list(callbacks), plugins=list(plugins), enable_progress_bar=False,
+                     enable_model_summary=False, logger=False, num_sanity_val_steps=0, **kw)
+
+
+def _callback(ckpt_dir: Path, store: str, interval: float = 0, **kw: Any) -> NebulaCallback:
+    kw.setdefault("every_n_train_steps", 2)
+    kw.setdefault("save_last", True)
+    config_params = {"persistent_storage_path": store, "persistent_time_interval": interval}
+    return NebulaCallback(dirpath=str(ckpt_dir), config_params=config_params, **kw)
+
+
+def _committed(store: str) -> list[tuple[str, str]]:
+    return [(e["tag"], e["version"]) for e in _core.read_catalog(store)[0]]
+
+
+def _assert_nebulite_file(path: str, store: str) -> tuple[str, str]:
+    """`path` (what Lightning recorded) links to a committed nebulite data file of `store`
+    that torch.load reads; returns its (tag, version)."""
+    assert os.path.islink(path), f"{path} is not nebulite's link"
+    target = os.path.realpath(path)
+    assert target.startswith(os.path.realpath(store) + os.sep), target
+    version_dir = Path(target).parent.parent
+    assert (version_dir / "COMMITTED").is_file()
+    with zipfile.ZipFile(target) as z:
+        assert "archive/.nebulite/index.json" in z.namelist()  # written by nebulite, not torch.save
+        index = json.loads(z.read("archive/.nebulite/index.json"))
+    assert index["tag"] == os.path.basename(path) and index["name"] == "checkpoint"
+    assert "state_dict" in torch.load(path, weights_only=True)
+    return version_dir.parent.name, version_dir.name
+
+
+def _history(store: str) -> list[str]:
+    with open(os.path.join(store, "checkpointHistories.csv")) as f:
+        return f.read().splitlines()
+
+
+# -- fit with the callback --------------------------------------------------------------
+
+
+def test_callback_saves_through_nebulite_and_keeps_what_modelcheckpoint_keeps(tmp_path, store):
+    ckpt_dir = tmp_path / "ckpts"
+    callback = _callback(ckpt_dir, store, monitor="val_loss", save_top_k=2)
+    trainer = _trainer(tmp_path, 8, [callback], [NebulaCheckpointIO()], val_check_interval=2, limit_val_batches=1)
+    trainer.fit(TinyModule(), loader(), loader())
+
+    kept = sorted(callback.best_k_models) + [callback.last_model_path]
+    assert len(kept) == 3 and callback.best_model_path in kept
+    assert sorted(str(p) for p in ckpt_dir.iterdir()) == sorted(kept)  # removed paths are gone
+    versions = {_assert_nebulite_file(p, store) for p in kept}
+    # The store holds exactly what the paths name: superseded and removed versions were deleted.
+    assert sorted(_committed(store)) == sorted(versions)
+    rows = _history(store)
+    for tag, version in versions:
+        assert any(f",{tag}," in r and version in r and "committed" in r for r in rows), tag
+    best = torch.load(callback.best_model_path, weights_only=True)
+    assert best["callbacks"]  # the callback's own state travels in the checkpoint
+    assert torch.equal(best["state_dict"]["layer.weight"],
+                       nebulite.get_checkpoint(tag=os.path.basename(callback.best_model_path))
+                       .load("checkpoint")["state_dict"]["layer.weight"])
+
+
+def _newest_in_memory(tag: str) -> dict[str, Any]:
+    return max((v for v in nebulite.api._session.engine.versions() if v["tag"] == tag), key=lambda v: v["seq"])
+
+
+def test_callback_installs_the_checkpoint_io_and_saves_the_best_at_once(tmp_path, store):
+    """Without plugins=[NebulaCheckpointIO()] the callback installs it. With a long interval
+    the newest save may stay in memory, but the best is persisted at once (is_best), and
+    teardown persists whatever Lightning's paths still name."""
+    ckpt_dir = tmp_path / "ckpts"
+    callback = _callback(ckpt_dir, store, interval=3600, monitor="val_loss", save_top_k=1)
+    seen: dict[str, Any] = {}
+
+    class Spy(L.Callback):
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 6:  # after the saves of steps 2 and 4
+                seen["last_requested"] = _newest_in_memory("last.ckpt")["persist_requested"]
+                nebulite.api._session.engine.flush(60)  # what was asked for is now in the store
+                seen["best_on_disk"] = os.path.exists(callback.best_model_path)
+
+    trainer = _trainer(tmp_path, 8, [callback, Spy()], val_check_interval=2, limit_val_batches=1)
+    trainer.fit(TinyModule(), loader(), loader())
+    assert isinstance(trainer.strategy.checkpoint_io, NebulaCheckpointIO)
+    assert seen == {"last_requested": False, "best_on_disk": True}
+    for path in (callback.best_model_path, callback.last_model_path):
+        _assert_nebulite_file(path, store)  # teardown persisted the rest
+
+
+def test_an_interval_spares_only_what_no_other_path_needs(tmp_path, store):
+    """Without a monitor ModelCheckpoint's "best" is just the newest save (not is_best). A
+    checkpoint stays in memory only while its path is the one saved last: saving another
+    path persists it first, since the memory tier keeps only the newest unpersisted one."""
+    ckpt_dir = tmp_path / "ckpts"
+    callback = _callback(ckpt_dir, store, interval=3600, save_top_k=-1)
+    seen: dict[str, Any] = {}
+
+    class Spy(L.Callback):
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == 6:  # saved: steps 2, 4, 6, each followed by last.ckpt
+                seen["last_requested"] = _newest_in_memory("last.ckpt")["persist_requested"]
+                nebulite.api._session.engine.flush(60)
+                seen["on_disk"] = sorted(p.name for p in ckpt_dir.iterdir() if p.exists())
+                seen["last_step"] = torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"]
+
+    _trainer(tmp_path, 8, [callback, Spy()]).fit(TinyModule(), loader())
+    assert seen["last_requested"] is False  # the newest last.ckpt waits for the interval
+    assert seen["on_disk"] == ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "last.ckpt"]
+    assert seen["last_step"] in (2, 4)  # last.ckpt names its previous, persisted checkpoint meanwhile
+    for name in ("epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "epoch=1-step=6.ckpt", "epoch=1-step=8.ckpt"):
+        _assert_nebulite_file(str(ckpt_dir / name), store)
+    _assert_nebulite_file(str(ckpt_dir / "last.ckpt"), store)
+    assert torch.load(ckpt_dir / "last.ckpt", weights_only=True)["global_step"] == 8  # moved at teardown
+
+
+def test_resume_from_last_restores_everything(tmp_path, store):
+    ckpt_dir = tmp_path / "ckpts"
+    first = Probe()
+    _trainer(tmp_path, 4, [_callback(ckpt_dir, store), first], [NebulaCheckpointIO()]).fit(TinyModule(), loader())
+    _assert_nebulite_file(str(ckpt_dir / "last.ckpt"), store)
+
+    nebulite.api._reset_for_tests()  # a new process, as far as nebulite is concerned
+    resumed = Probe()
+    trainer = _trainer(tmp_path, 6, [_callback(ckpt_dir, store), resumed], [NebulaCheckpointIO()])
+    trainer.fit(TinyModule(), loader(), ckpt_path="last")
+    assert resumed.seen["start_step"] == 4
+    assert resumed.seen["start_weights"] == first.seen["end_weights"]  # bit-identical
+
+    straight = Probe()
+    _trainer(tmp_path / "straight", 6, [straight]).fit(TinyModule(), loader())
+    # Optimizer state (momentum) and loop state resumed too: same weights as a run without a break.
+    assert resumed.seen["end_weights"] == straight.seen["end_weights"]
+
+
+def test_resume_from_an_older_checkpoint_path(tmp_path, store):
+    ckpt_dir = tmp_path / "ckpts"
+    callback = _callback(ckpt_dir, store, save_top_k=-1)
+    _trainer(tmp_path, 6, [callback], [NebulaCheckpointIO()]).fit(TinyModule(), loader())
+    step2 = ckpt_dir / "epoch=0-step=2.ckpt"
+    saved = torch.load(step2, weights_only=True)
+    assert saved["global_step"] == 2
+    probe = Probe()
+    _trainer(tmp_path, 8, [_callback(ckpt_dir, store, save_top_k=-1), probe], [NebulaCheckpointIO()]).fit(
+        TinyModule(), loader(), ckpt_path=str(step2))
+    assert probe.seen["start_step"] == 2
+    assert probe.seen["start_weights"] == {k: v.flatten().tolist() for k, v in saved["state_dict"].items()}
+
+
+def test_with_the_node_agent(tmp_path, store, agent_env, monkeypatch):
+    monkeypatch.setenv("NEBULITE_AGENT", "1")  # init()'s default, which the test suite turns off
+    ckpt_dir = tmp_path / "ckpts"
+    first = Probe()
+    _trainer(tmp_path, 4, [_callback(ckpt_dir, store), first], [NebulaCheckpointIO()]).fit(TinyModule(), loader())
+    assert nebulite.session_info()["agent_pid"] not in (None, os.getpid())
+    _assert_nebulite_file(str(ckpt_dir / "last.ckpt"), store)
+    resumed = Probe()
+    _trainer(tmp_path, 6, [_callback(ckpt_dir, store), resumed], [NebulaCheckpointIO()]).fit(
+        TinyModule(), loader(), ckpt_path="last")
+    assert resumed.seen["start_step"] == 4 and resumed.seen["start_weights"] == first.seen["end_weights"]
+    assert nebulite.session_info()["agent_pid"] not in (None, os.getpid())
+
+
+# -- manual saving, loading ------------------------------------------------------------------
+
+
+def test_manual_save_with_storage_options_and_load_from_checkpoint(tmp_path, store, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    nebulite.init(persistent_storage_path=store, persistent_time_interval=3600)
+    trainer = _trainer(tmp_path, 4, plugins=[NebulaCheckpointIO()])
+    model = TinyModule(lr=0.125)
+    trainer.fit(model, loader())
+    other = str(tmp_path / "tier3" / "checkpoint")
+    trainer.save_checkpoint("example.ckpt", storage_options={"is_best": True, "persist_path": other})
+    assert nebulite.session_info()["persistent_storage_path"] == other  # persist_path re-initialised
+
+    path = nebulite.get_latest_checkpoint_path("checkpoint", other)
+    assert _committed(other) == [("example.ckpt", Path(path).parent.parent.name)]
+    assert os.path.realpath("example.ckpt") == os.path.realpath(path)  # the path Lightning was given links to it
+    loaded = TinyModule.load_from_checkpoint(path)
+    assert loaded.hparams.lr == 0.125
+    assert weights(loaded) == weights(model)
+
+    with pytest.raises(TypeError, match="storage_options"):
+        trainer.save_checkpoint("x.ckpt", storage_options={"compress": True})
+
+
+def test_a_path_names_its_previous_checkpoint_until_the_new_one_is_stored(tmp_path, store):
+    nebulite.init(persistent_storage_path=store, persistent_time_interval=3600, rank=0, world_size=1)
+    io = NebulaCheckpointIO()
+    path = str(tmp_path / "last.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}, "global_step": 1}, path)  # first: persisted
+    nebulite.flush_persistence()
+    first = _assert_nebulite_file(path, store)
+    io.save_checkpoint({"state_dict": {"w": torch.full((2,), 2.0)}, "global_step": 2}, path)  # memory only
+    assert torch.load(path)["global_step"] == 1  # the link still names a loadable checkpoint
+    assert io.load_checkpoint(path)["global_step"] == 2  # this process reads what it wrote
+    io.teardown()
+    second = _assert_nebulite_file(path, store)
+    assert torch.load(path)["global_step"] == 2
+    assert _committed(store) == [second] and second != first  # the superseded version is gone
+
+
+def test_remove_checkpoint_keeps_the_newest_in_the_store(tmp_path, store):
+    nebulite.init(persistent_storage_path=store, rank=0, world_size=1, num_of_version_in_retention=0)
+    io = NebulaCheckpointIO()
+    a, b = str(tmp_path / "a.ckpt"), str(tmp_path / "b.ckpt")
+    io.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, a)
+    nebulite.flush_persistence()
+    only = _assert_nebulite_file(a, store)
+    io.remove_checkpoint(a)
+    assert not os.path.lexists(a)  # gone from Lightning's view at once
+    assert _committed(store) == [only]  # but the store's newest checkpoint is not deleted yet
+    io.save_checkpoint({"state_dict": {"w": torch.zeros(2)}}, b)
+    io.teardown()
+    assert _committed(store) == [_assert_nebulite_file(b, store)]  # deleted once b is committed
+    assert not os.path.exists(os.path.join(store, "a.ckpt"))
+
+
+def test_a_checkpoint_path_in_the_persistent_path_itself_is_refused(store):
+    """There the link and the tag's directory would have the same name."""
+    nebulite.init(persistent_storage_path=store, rank=0, world_size=1)
+    io = NebulaCheckpointIO()
+    with pytest.raises(nebulite.InvalidArgumentError, match="persistent path"):
+        io.save_checkpoint({"state_dict": {}}, os.path.join(store, "last.ckpt"))
+    io.save_checkpoint({"state_dict": {"w": torch.ones(1)}}, os.path.join(store, "lightning", "last.ckpt"))
+    io.teardown()
+    assert _committed(store) == [_assert_nebulite_file(os.path.join(store, "lightning", "last.ckpt"), store)]
+
+
+def test_fit_from_a_path_that_does_not_exist_loads_the_newest_of_its_tag(tmp_path, store):
+    """Nebula's trainer.fit(ckpt_path="/path/example.ckpt"): the file name is the tag."""
+    nebulite.init(persistent_storage_path=store)
+    trainer = _trainer(tmp_path, 2, plugins=[NebulaCheckpointIO()])
+    trainer.fit(TinyModule(), loader())
+    trainer.save_checkpoint(str(tmp_path / "saved" / "example.ckpt"))
+    probe = Probe()
+    _trainer(tmp_path, 4, [probe], [NebulaCheckpointIO()]).fit(
+        TinyModule(), loader(), ckpt_path="/path/example.ckpt")
+    assert probe.seen["start_step"] == 2
+    with pytest.raises(FileNotFoundError):
+        NebulaCheckpointIO().load_checkpoint(str(tmp_path / "nothing.ckpt"))
+
+
+def test_resume_from_a_checkpoint_torch_save_wrote_before_switching(tmp_path, store):
+    _trainer(tmp_path, 2, enable_checkpointing=True).fit(TinyModule(), loader())  # Lightning's own files
+    (old,) = glob.glob(str(tmp_path / "checkpoints" / "*.ckpt"))
+    nebulite.init(persistent_storage_path=store)
+    probe = Probe()
+    _trainer(tmp_path, 4, [probe], [NebulaCheckpointIO()]).fit(TinyModule(), loader(), ckpt_path=old)
+    assert probe.seen["start_step"] == 2
+
+
+def test_weights_only_as_torch_load(tmp_path, store):
+    """Lightning passes weights_only to load_checkpoint; None means torch.load's default
+    (True). A checkpoint holding other objects loads with weights_only=False."""
+    ckpt_dir = tmp_path / "ckpts"
+    _trainer(tmp_path, 2, [_callback(ckpt_dir, store)], [NebulaCheckpointIO()]).fit(
+        TinyModule(extra=Opaque(3)), loader())
+    last = str(ckpt_dir / "last.ckpt")
+    with pytest.raises(pickle.UnpicklingError, match="weights_only=False"):
+        _trainer(tmp_path, 4, [_callback(ckpt_dir, store)], [NebulaCheckpointIO()]).fit(
+            TinyModule(), loader(), ckpt_path=last)
+    probe = Probe()
+    _trainer(tmp_path, 4, [_callback(ckpt_dir, store), probe], [NebulaCheckpointIO()]).fit(
+        TinyModule(), loader(), ckpt_path=last, weights_only=False)
+    assert probe.seen["start_step"] == 2
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path):
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    if os.geteuid() != 0:
+        pytest.skip("mounting a tmpfs needs root")
+    r = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mnt)], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs: {r.stderr.strip()}")
+    try:
+        yield str(mnt)
+    finally:
+        nebulite.api._reset_for_tests()
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
+
+
+def test_teardown_raises_background_persistence_errors(tmp_path, small_tmpfs):
+    store = os.path.join(small_tmpfs, "ckpt")
+    nebulite.init(persistent_storage_path=store, rank=0, world_size=1)
+    io = NebulaCheckpointIO()
+    io.save_checkpoint({"state_dict": {"w": torch.randn(2 << 20)}}, str(tmp_path / "big.ckpt"))  # 8 MiB
+    with pytest.raises(nebulite.PersistError, match="No space"):
+        io.teardown()
+
+
+# -- several processes -------------------------------------------------------------------
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(mode: str, tmp_path: Path, store: str, steps: int, ckpt_path: str | None = None,
+            world: int = 2, check: bool = True, **env_extra: str) -> list[dict[str, Any]] | str:
+    """Starts `world` ranks the way an external launcher does (Lightning reads LOCAL_RANK,
+    NODE_RANK, WORLD_SIZE, MASTER_ADDR and MASTER_PORT); returns each rank's results, or
+    with check=False the failed ranks' output."""
+    out = str(tmp_path / f"{mode}-{steps}.json")
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(nebulite.__file__)))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([pkg_root] + [p for p in [os.environ.get("PYTHONPATH")] if p]),
+               MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()), WORLD_SIZE=str(world), NODE_RANK="0",
+               OMP_NUM_THREADS="1", **env_extra)
+    args = [sys.executable, WORKER, mode, out, store, str(tmp_path / "ckpts"), str(steps)]
+    args += [ckpt_path] if ckpt_path else []
+    procs = []
+    for rank in range(world):
+        rank_env = dict(env, LOCAL_RANK=str(rank), RANK=str(rank)) if world > 1 else env
+        procs.append(subprocess.Popen(args, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    try:
+        logs = [p.communicate(timeout=TIMEOUT)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    failed = [f"rank {r} exited {p.returncode}:\n{log[-4000:]}" for r, (p, log) in enumerate(zip(procs, logs))
+              if p.returncode]
+    if failed and not check:
+        return "\n".join(failed)
+    assert not failed, "\n".join(failed)
+    return [json.loads(Path(f"{out}.rank{r}").read_text()) for r in range(world)]
+
+
+def test_ddp_two_processes(tmp_path, store):
+    first = _launch("ddp", tmp_path, store, 4)
+    assert [r["rank"] for r in first] == [0, 1] and all(r["world_size"] == 2 for r in first)
+    # Every rank runs a single-rank nebulite session; rank 0 saves whole checkpoints.
+    assert all(r["session_world_size"] == 1 for r in first)
+    assert first[0]["end_weights"] == first[1]["end_weights"]
+    paths = sorted(glob.glob(str(tmp_path / "ckpts" / "*.ckpt")))
+    assert [os.path.basename(p) for p in paths] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    for path in paths:
+        tag, version = _assert_nebulite_file(path, store)
+        assert _core.read_manifest(store, tag, version, 0)["world_size"] == 1
+
+    resumed = _launch("ddp", tmp_path, store, 6, "last")
+    for r in resumed:  # both ranks resumed from rank 0's checkpoint, bit for bit
+        assert r["start_step"] == 4 and r["start_weights"] == first[0]["end_weights"]
+    _assert_nebulite_file(resumed[0]["last_model_path"], store)
+    assert torch.load(resumed[0]["last_model_path"], weights_only=True)["global_step"] == 6
+
+
+#: What nebulite's weights-only default makes of DeepSpeed's ZeRO optimizer states today:
+#: DeepSpeed's own engine loads them with full unpickling (its LossScaler class is in them),
+#: and nebulite's load through DeepSpeed's Nebula engine does not do so yet.
+DEEPSPEED_WEIGHTS_ONLY = "Unsupported global: GLOBAL deepspeed.runtime.fp16.loss_scaler.LossScaler"
+
+
+@pytest.mark.parametrize("stage", [0, 2])
+def test_deepspeed_strategy_two_processes(tmp_path, store, stage):
+    """NebulaDeepspeedStrategy on the CPU (gloo, DeepSpeed's CPU accelerator): DeepSpeed saves
+    through its Nebula engine, that is nebulite, and a resume from an older checkpoint
+    directory loads that checkpoint, not the newest."""
+    first = _launch("deepspeed", tmp_path, store, 4, ZERO_STAGE=str(stage))
+    assert all(r["session_world_size"] == 2 for r in first)  # DeepSpeed's own session: both ranks
+    ckpt_dir = tmp_path / "ckpts"
+    names = sorted(p.name for p in ckpt_dir.iterdir())
+    assert names == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    expected = {"mp_rank_00_model_states.pt"}
+    if stage:
+        expected |= {f"zero_pp_rank_{r}_mp_rank_00_optim_states.pt" for r in range(2)}
+    for name in names:
+        directory = ckpt_dir / name
+        assert (directory / "latest").read_text() == name  # the DeepSpeed tag is the directory's name
+        assert (directory / "checkpoint").resolve() == (directory / name).resolve()
+        for placeholder in (directory / name).iterdir():  # DeepSpeed's placeholders: the data is in nebulite
+            assert torch.load(placeholder, weights_only=True) == ""
+        checkpoint = nebulite.get_checkpoint(tag=name, persist_path=store)
+        assert set(checkpoint.list_names()) == expected
+        assert os.path.isfile(os.path.join(store, name, checkpoint.version, "COMMITTED"))
+
+    resumed = _launch("deepspeed", tmp_path, store, 6, str(ckpt_dir / "epoch=0-step=2.ckpt"),
+                      ZERO_STAGE=str(stage), check=False)
+    if isinstance(resumed, str) and DEEPSPEED_WEIGHTS_ONLY in resumed:
+        pytest.xfail(f"resuming ZeRO stage {stage}: {DEEPSPEED_WEIGHTS_ONLY}")
+    assert isinstance(resumed, list), resumed
+    for r in resumed:
+        assert r["start_step"] == 2
+        assert r["start_weights"] != first[0]["end_weights"]  # the step-2 weights, not the newest
+
+
+def test_standalone_pytorch_lightning_package(tmp_path, store):
+    first = _launch("standalone", tmp_path, store, 4, world=1)
+    _assert_nebulite_file(first[0]["last_model_path"], store)
+    resumed = _launch("standalone", tmp_path, store, 6, "last", world=1)
+    assert resumed[0]["start_step"] == 4 and resumed[0]["start_weights"] == first[0]["end_weights"]
+
+
+# -- imports -----------------------------------------------------------------------------
+
+
+def test_importing_nebulite_does_not_import_lightning():
+    code = (
+        "import sys, nebulite, torch_nebula, nebulaml\n"
+        "assert not {'lightning', 'pytorch_lightning'} & set(sys.modules), 'imported eagerly'\n"
+        "assert 'NebulaCallback' in dir(nebulite)\n"
+        "import lightning\n"
+        "from nebulite.integrations.lightning import NebulaCallback, NebulaCheckpointIO, NebulaDeepspeedStrategy\n"
+        "for m in (nebulite, torch_nebula, nebulaml):\n"
+        "    assert m.NebulaCallback is NebulaCallback and m.NebulaCheckpointIO is NebulaCheckpointIO\n"
+        "    assert m.NebulaDeepspeedStrategy is NebulaDeepspeedStrategy\n"
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
+    assert r.returncode == 0, r.stderr
