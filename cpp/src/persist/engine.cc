@@ -350,8 +350,7 @@ class EngineImpl : public Engine {
         // Other ranks learn of commits by seeing the marker.
         lock.unlock();
         for (auto& v : awaiting) {
-          auto e = storage_->Exists(CommitMarkerPath(v->tag, v->version));
-          if (e.ok() && *e) {
+          if (CommittedOrRetired(*v)) {
             std::lock_guard<std::mutex> l2(mu_);
             v->store_committed = true;
           }
@@ -820,6 +819,17 @@ class EngineImpl : public Engine {
     NEBULITE_RETURN_IF_ERROR(WriteManifest(storage_.get(), m));
     if (opts_.rank == 0 && opts_.world_size == 1) return CommitInStore(v);
     return Status::OK();
+  }
+
+  // On a rank other than 0, for a version this rank persisted: true once it is committed in
+  // the store. Rank 0's retention may retire it before this rank looks (it deletes the
+  // marker first, then the files), so this rank's manifest being gone means it was
+  // committed too; between the two deletions the next look decides.
+  bool CommittedOrRetired(const VersionState& v) {
+    auto marker = storage_->Exists(CommitMarkerPath(v.tag, v.version));
+    if (marker.ok() && *marker) return true;
+    auto manifest = storage_->Exists(ManifestPath(v.tag, v.version, opts_.rank));
+    return manifest.ok() && !*manifest;
   }
 
   Status ApplyStoreRetention() {

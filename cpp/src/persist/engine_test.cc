@@ -283,6 +283,38 @@ TEST(EngineTest, TwoRanksCommitOnlyWhenBothPersisted) {
   ExpectStored((*e0)->storage(), DataFilePath("s", "v", 1, "optim"), b);
 }
 
+TEST(EngineTest, RankOneFlushesVersionsThatRetentionRetiredBeforeItLooked) {
+  // Rank 0 commits and retires t1 and t2 while rank 1 never flushes; rank 1's flush must
+  // count them as committed instead of waiting for markers that are gone.
+  TempDir dir;
+  auto o0 = Options(dir.path());
+  o0.world_size = 2;
+  o0.retention = 1;
+  auto o1 = o0;
+  o1.rank = 1;
+  auto e0 = Engine::Open(o0);
+  auto e1 = Engine::Open(o1);
+  ASSERT_TRUE(e0.ok() && e1.ok());
+  std::vector<Object> objects;
+  for (uint8_t i = 0; i < 6; ++i) objects.push_back(MakeObject({64, 4096}, i));
+  const std::vector<std::string> tags = {"t1", "t2", "t3"};
+  for (size_t i = 0; i < tags.size(); ++i) {
+    ASSERT_TRUE((*e0)->Stage(tags[i], "v", "a", objects[2 * i].records).ok());
+    ASSERT_TRUE((*e1)->Stage(tags[i], "v", "b", objects[2 * i + 1].records).ok());
+    ASSERT_TRUE((*e0)->Commit(tags[i], "v", i + 1, true).ok());
+    ASSERT_TRUE((*e1)->Commit(tags[i], "v", i + 1, true).ok());
+    ASSERT_TRUE((*e0)->Flush(60).ok());
+  }
+  EXPECT_FALSE(fs::exists(dir.path() + "/t1"));
+  EXPECT_FALSE(fs::exists(dir.path() + "/t2"));
+  Status st = (*e1)->Flush(5);
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  auto cat = ReadCatalog((*e0)->storage());
+  ASSERT_TRUE(cat.ok());
+  ASSERT_EQ(cat->entries.size(), 1u);
+  EXPECT_EQ(cat->entries[0].commit.tag, "t3");
+}
+
 TEST(EngineTest, StoreFailureIsReportedAndEarlierCommitsStayIntact) {
   auto base = std::shared_ptr<Storage>(NewMemoryStorage());
   auto fault = std::shared_ptr<FaultStorage>(FaultStorage::Wrap(base.get()));
