@@ -17,6 +17,7 @@ import fcntl
 import os
 import re
 import shutil
+import sys
 import threading
 import time
 import warnings
@@ -45,6 +46,13 @@ COMMIT_EXPLICITLY = -2
 _lock = threading.RLock()
 _VERSION_NAME = re.compile(r"^v([0-9a-zA-Z]+)-[0-9]{6,}$")
 _RUNS_DIR = os.path.join(".nebulite", "runs")  # under a store's root; readers ignore it
+
+#: Callers of Checkpoint.load() that get full unpickling when they pass no weights_only.
+#: DeepSpeed's Nebula engine loads DeepSpeed's own state: ZeRO optimizer states hold its
+#: loss scaler objects, and client states hold whatever the training script put there
+#: (an argparse.Namespace, enums). DeepSpeed reads the same files with
+#: torch.load(weights_only=False) when Nebula is off; nebulite follows the framework.
+_FULL_UNPICKLING_CALLERS = frozenset({"deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine"})
 
 
 def _hold_run_lock(root: str, run_id: str) -> int | None:
@@ -435,9 +443,14 @@ class Checkpoint:
         """Loads object `name` of this committed checkpoint.
 
         Reads from the memory tier when the version is there, else from the store.
-        ``weights_only`` has ``torch.load``'s meaning and default: True unless given,
-        including torch's ``TORCH_FORCE_(NO_)WEIGHTS_ONLY_LOAD`` environment switches.
+        ``map_location`` is anything ``torch.load`` accepts. ``weights_only`` has
+        ``torch.load``'s meaning and default: True unless given, including torch's
+        ``TORCH_FORCE_(NO_)WEIGHTS_ONLY_LOAD`` environment switches. DeepSpeed's Nebula
+        checkpoint engine, which gives none, loads as DeepSpeed's own ``torch.load`` engine
+        does: ``weights_only=False``, from the path its configuration names.
         """
+        if weights_only is None and sys._getframe(1).f_globals.get("__name__") in _FULL_UNPICKLING_CALLERS:
+            weights_only = False
         weights_only = resolve_weights_only(weights_only)
         if not self._committed:
             if self.tag == "":
