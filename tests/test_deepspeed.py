@@ -1,0 +1,420 @@
+"""DeepSpeed with a "nebula" block in its config: DeepSpeed's own NebulaCheckpointEngine
+imports ``torch_nebula`` (nebulite) and drives it; nothing in the training script changes.
+
+DeepSpeed silently falls back to torch.save when ``import torch_nebula`` fails, so every test
+checks that nebulite did the work: the engine class, nebulite's commit markers, manifests and
+history in the persistent path, and DeepSpeed's own files in save_dir being empty placeholders
+(``torch.save("", path)``), so that whatever a resumed engine loaded came from nebulite.
+
+The training runs are real DeepSpeed engines on the CPU (gloo), one process per rank
+(tests/workers/deepspeed_worker.py), for ZeRO stages 0, 1 and 2 with 1 and 2 ranks.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import nebulite
+import nebulite.api
+
+pytest.importorskip("deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine",
+                    reason="needs DeepSpeed with its Nebula engine (0.18.4 to 0.19.6)")
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
+from deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine import NebulaCheckpointEngine  # noqa: E402
+from deepspeed.nebula.config import DeepSpeedNebulaConfig  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "workers", "deepspeed_worker.py")
+TIMEOUT = 300
+STAGES = (0, 1, 2)
+MODEL = "mp_rank_00_model_states.pt"
+
+
+def _zero_file(rank: int) -> str:
+    return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(nebulite.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.update(NEBULITE_AGENT="0", NEBULA_MEMORY_BUFFER_SIZE=str(32 * 1024 * 1024), OMP_NUM_THREADS="1",
+               DS_ACCELERATOR="cpu")
+    for key in ("NEBULITE_RUN_ID", "NEBULA_PERSISTENT_STORAGE_PATH", "NEBULA_PERSISTENT_TIME_INTERVAL"):
+        env.pop(key, None)
+    env.update(extra)
+    return env
+
+
+def _run(*groups: tuple[str, Path, int, dict[str, str]]) -> list[list[dict[str, Any]]]:
+    """Runs each group (modes, workdir, world size, env) as that many ranks, all groups at
+    once; returns each group's per-rank RESULT dicts."""
+    started = []
+    for modes, workdir, world, env in groups:
+        port = _free_port()
+        started.append([
+            subprocess.Popen([sys.executable, WORKER, modes, str(workdir), str(r), str(world), str(port)],
+                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for r in range(world)
+        ])
+    outs: list[list[tuple[str, str]]] = []
+    try:
+        for procs in started:
+            outs.append([p.communicate(timeout=TIMEOUT) for p in procs])
+    finally:
+        for p in (p for procs in started for p in procs):
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    failed = [
+        f"{groups[g][0]} rank {r} exited {p.returncode}\nstdout:\n{out[-2000:]}\nstderr:\n{err[-4000:]}"
+        for g, procs in enumerate(started) for r, (p, (out, err)) in enumerate(zip(procs, outs[g]))
+        if p.returncode != 0
+    ]
+    assert not failed, "\n\n".join(failed)
+    results = []
+    for g, procs in enumerate(started):
+        ranks = []
+        for r, (out, err) in enumerate(outs[g]):
+            lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+            assert lines, f"{groups[g][0]} rank {r} printed no result\n{err[-4000:]}"
+            ranks.append(json.loads(lines[-1][len("RESULT "):]))
+        results.append(ranks)
+    return results
+
+
+def _catalog(store: Path) -> list[dict[str, Any]]:
+    entries, problems = nebulite._core.read_catalog(str(store))
+    assert not problems, problems
+    return entries
+
+
+def _history(store: Path) -> list[dict[str, str]]:
+    with open(store / "checkpointHistories.csv", newline="") as f:
+        return list(csv.DictReader(f))
+
+
+def _store_snapshot(store: Path) -> dict[str, Any]:
+    """What nebulite holds in `store`: committed tags with each rank's object names."""
+    out = {}
+    for e in _catalog(store):
+        vdir = store / e["tag"] / e["version"]
+        assert (vdir / "COMMITTED").is_file()
+        names = {}
+        for r in range(int(e["world_size"])):
+            manifest = nebulite._core.read_manifest(str(store), e["tag"], e["version"], r)
+            names[r] = sorted(f[0] for f in manifest["files"])
+            assert (vdir / f"rank{r}.manifest").is_file()
+        out[e["tag"]] = {"version": e["version"], "world_size": int(e["world_size"]), "names": names}
+    return out
+
+
+def _ds_files(save_dir: Path) -> dict[str, Any]:
+    """DeepSpeed's files in save_dir (the top level and each tag's directory): each with what
+    it holds (`latest`: the tag; checkpoint files: what torch.load reads from them)."""
+    out: dict[str, Any] = {}
+    for p in sorted([*save_dir.glob("*"), *save_dir.glob("*/*")]):
+        if not p.is_file():
+            continue
+        name = str(p.relative_to(save_dir))
+        if name == "latest":
+            out[name] = p.read_text()
+        elif name.endswith(".pt"):
+            out[name] = torch.load(p, weights_only=True)
+        else:
+            out[name] = None
+    return out
+
+
+def _expected_names(stage: int, world: int) -> dict[int, list[str]]:
+    """The objects each rank saves: rank 0 the model states, every rank its ZeRO partition."""
+    return {r: sorted(([MODEL] if r == 0 else []) + ([_zero_file(r)] if stage else [])) for r in range(world)}
+
+
+def _kill_agents(runtime: str) -> None:
+    for log in Path(runtime).glob("agent-*.log"):
+        for line in log.read_text().splitlines():
+            if "nebulite agent" in line and "serving" in line:
+                try:
+                    os.kill(int(line.split("nebulite agent ")[1].split()[0]), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+
+
+# -- the runs ------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """Trains and saves (1 and 2 ranks, ZeRO 0/1/2), records what is on disk, then resumes
+    in new processes. Keys: work[world], saved[world] and resumed[world] (each rank's
+    results), stores_after_save, history and ds_files [world][stage], and azure_save,
+    azure_store_after_save, azure_resume."""
+    work = {w: tmp_path_factory.mktemp(f"ds{w}") for w in (1, 2)}
+    env = _child_env()
+    # Azure's pattern runs as users run it: with the node agent, init()'s default. The agent
+    # outlives the first process, so the second one finds the checkpoints kept in memory.
+    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
+    agent_env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime, NEBULITE_AGENT_IDLE_EXIT="60")
+    try:
+        saved = _run(("save", work[1], 1, env), ("save", work[2], 2, env),
+                     ("azure_save", work[1], 1, agent_env))
+        azure_store = work[1] / "azure" / "checkpoints"
+        run: dict[str, Any] = {"work": work, "saved": dict(zip((1, 2), saved)),
+                               "azure_save": saved[2][0]["azure_save"],
+                               "azure_store_after_save": _store_snapshot(azure_store),
+                               "stores_after_save": {}, "ds_files": {}, "history": {}}
+        for w in (1, 2):
+            run["stores_after_save"][w] = {s: _store_snapshot(work[w] / f"z{s}" / "nebula") for s in STAGES}
+            run["history"][w] = {s: _history(work[w] / f"z{s}" / "nebula") for s in STAGES}
+            run["ds_files"][w] = {s: _ds_files(work[w] / f"z{s}" / "ds") for s in STAGES}
+        resumed = _run(("resume", work[1], 1, env), ("resume", work[2], 2, env),
+                       ("azure_resume", work[1], 1, agent_env))
+    finally:
+        _kill_agents(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
+    run["resumed"] = dict(zip((1, 2), resumed))
+    run["azure_resume"] = resumed[2][0]["azure_resume"]
+    return run
+
+
+def _ranks(run: dict[str, Any], phase: str) -> list[tuple[int, dict[str, Any]]]:
+    return [(w, r) for w in (1, 2) for r in run[phase][w]]
+
+
+# -- saving --------------------------------------------------------------------------------
+
+
+def test_deepspeed_uses_its_nebula_engine_backed_by_nebulite(runs):
+    for world, r in _ranks(runs, "saved"):
+        assert r["save"]["torch_nebula_is_nebulite"], (world, r["rank"])
+        for stage in STAGES:
+            assert r["save"][f"z{stage}"]["engine"] == "NebulaCheckpointEngine", (world, r["rank"], stage)
+        assert r["save"]["plain_engine"] == "TorchCheckpointEngine"  # the run without the block
+
+
+def test_every_save_checkpoint_is_committed_in_nebulite(runs):
+    for world in (1, 2):
+        for stage in STAGES:
+            held = runs["stores_after_save"][world][stage]
+            # Three saves, two versions retained: global_step2 was retired.
+            assert sorted(held) == ["global_step4", "global_step6"], (world, stage, held)
+            for tag, entry in held.items():
+                assert entry["world_size"] == world
+                assert entry["names"] == _expected_names(stage, world), (world, stage, tag, entry)
+            rows = runs["history"][world][stage]
+            committed = [row["tag"] for row in rows if row["outcome"] == "committed"]
+            assert committed == ["global_step2", "global_step4", "global_step6"], (world, stage, rows)
+            assert any(row["tag"] == "global_step2" and row["outcome"] == "deleted_by_retention" for row in rows)
+            persisted = {(row["tag"], row["name"], row["rank"]) for row in rows if row["outcome"] == "persisted"}
+            for r, names in _expected_names(stage, world).items():
+                assert all(("global_step6", n, str(r)) in persisted for n in names), (world, stage, persisted)
+
+
+def test_nebulite_files_are_deepspeed_state_that_torch_load_reads(runs):
+    """Each object is a torch.save archive holding the state DeepSpeed handed over."""
+    for world in (1, 2):
+        base = runs["work"][world] / "z1"
+        entry = runs["stores_after_save"][world][1]["global_step6"]
+        path = base / "nebula" / "global_step6" / entry["version"] / "rank0" / MODEL
+        state = torch.load(path, map_location="cpu", weights_only=False)  # DeepSpeed's own classes
+        expected = torch.load(base / "expected" / "global_step6.rank0.pt", weights_only=False)
+        assert state["global_steps"] == 6
+        assert state["module"].keys() == expected["module"].keys()
+        assert all(torch.equal(state["module"][k], expected["module"][k]) for k in state["module"])
+        assert state["args"] == expected["client"]["args"]
+
+
+def test_deepspeed_finds_its_files_in_save_dir(runs):
+    """save_dir holds what DeepSpeed's loader globs for: `latest` and one empty placeholder per
+    object (torch.save("")), the data being in nebulite."""
+    for world in (1, 2):
+        for stage in STAGES:
+            files = runs["ds_files"][world][stage]
+            expected = {"latest"} | ({"zero_to_fp32.py"} if stage else set())
+            for tag in ("global_step2", "global_step4", "global_step6"):
+                expected |= {f"{tag}/{n}" for names in _expected_names(stage, world).values() for n in names}
+            assert set(files) == expected, (world, stage, sorted(files))
+            assert files["latest"] == "global_step6"
+            assert all(files[n] == "" for n in files if n.endswith(".pt")), (world, stage, files)
+            for r in runs["saved"][world]:
+                assert set(r["save"][f"z{stage}"]["placeholders"].values()) == {""}
+
+
+# -- resuming ------------------------------------------------------------------------------
+
+
+def test_resume_from_latest_is_bit_identical(runs):
+    """Model, optimizer (ZeRO partitions included), scheduler, step and client state."""
+    for world, r in _ranks(runs, "resumed"):
+        for stage in STAGES:
+            got = r["resume"][f"z{stage}"]
+            assert got["differs_before_load"], (world, stage)
+            assert got["latest"] == [f"global_step6/{MODEL}", "ok"], (world, r["rank"], stage, got)
+
+
+def test_resume_from_an_explicit_tag_is_bit_identical(runs):
+    for world, r in _ranks(runs, "resumed"):
+        for stage in STAGES:
+            got = r["resume"][f"z{stage}"]
+            assert got["explicit"] == [f"global_step4/{MODEL}", "ok"], (world, r["rank"], stage, got)
+
+
+def test_a_tag_retention_removed_loads_the_latest(runs):
+    """DeepSpeed's engine asks nebulite for the tag, gets '' and falls back to the latest."""
+    for world, r in _ranks(runs, "resumed"):
+        for stage in STAGES:
+            got = r["resume"][f"z{stage}"]
+            assert got["retired_tag_in_nebulite"] == ""
+            assert got["retired"] == [f"global_step2/{MODEL}", "ok"], (world, r["rank"], stage, got)
+
+
+def test_saving_goes_on_after_resume_and_nebula_load_path_reads_another_store(runs):
+    """ZeRO 2 resumed from nebula_load_path (the first run's store) and persists to its own."""
+    for world in (1, 2):
+        base = runs["work"][world]
+        assert sorted(_store_snapshot(base / "z0" / "nebula")) == ["global_step6", "global_step8"]
+        assert sorted(_store_snapshot(base / "z1" / "nebula")) == ["global_step6", "global_step8"]
+        assert sorted(_store_snapshot(base / "z2" / "nebula")) == ["global_step4", "global_step6"]
+        new = _store_snapshot(base / "z2" / "nebula_b")
+        assert sorted(new) == ["global_step8"]
+        assert new["global_step8"]["names"] == _expected_names(2, world)
+
+
+def test_enable_nebula_load_false_reads_torch_files_first(runs):
+    """The first load reads DeepSpeed's own files with torch.load (a checkpoint written
+    without Nebula); a later tag loads from nebulite."""
+    for world, r in _ranks(runs, "resumed"):
+        got = r["resume"]["nebula_load_off"]
+        assert got["engine"] == "NebulaCheckpointEngine"
+        assert got["torch_load"] == [f"global_step2/{MODEL}", "ok"], (world, got)
+        assert got["fresh_torch_load"] == "ok", (world, got)
+        assert got["then_nebulite"] == [f"global_step4/{MODEL}", "ok"], (world, got)
+    for world in (1, 2):
+        held = _store_snapshot(runs["work"][world] / "plain" / "nebula")
+        assert sorted(held) == ["global_step4"]
+        assert held["global_step4"]["names"] == _expected_names(1, world)
+
+
+def test_azure_documented_pattern(runs):
+    """ds_config.json with Azure's nebula block (interval 100 s) and save_dir =
+    persistent_storage_path; plain save_checkpoint(save_dir) three times, then a new process
+    calls load_checkpoint(save_dir) and gets the newest checkpoint from the agent's memory."""
+    saved, resumed = runs["azure_save"], runs["azure_resume"]
+    assert saved["engine"] == "NebulaCheckpointEngine"
+    assert saved["agent_pid"] and resumed["agent_pid"] == saved["agent_pid"]
+    # When the first process ended, the newest checkpoint was held in memory only.
+    assert saved["listed"][0] == ["global_step6", "memory", False], saved["listed"]
+    assert resumed["latest"] == [f"global_step6/{MODEL}", "ok"], resumed
+    # The first checkpoint is persisted at once; the next ones, within the interval, stay in
+    # memory, next to DeepSpeed's own files in the same directory.
+    held = runs["azure_store_after_save"]
+    assert list(held) == ["global_step2"] and held["global_step2"]["names"] == {0: sorted([MODEL, _zero_file(0)])}
+    files = _ds_files(runs["work"][1] / "azure" / "checkpoints")
+    assert files["latest"] == "global_step6"
+    assert all(files[f"{t}/{n}"] == "" for t in ("global_step2", "global_step6") for n in (MODEL, _zero_file(0)))
+    assert "zero_to_fp32.py" in files and "checkpointHistories.csv" in files
+
+
+# -- the node agent ------------------------------------------------------------------------
+
+
+def test_with_the_node_agent_ranks_load_straight_after_saving(tmp_path):
+    """Two ranks, ZeRO 2, init()'s default agent: a fresh engine in the same processes loads
+    both tags from the agent's memory without waiting for the disk; the store then commits."""
+    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
+    try:
+        env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime, NEBULITE_AGENT_IDLE_EXIT="1")
+        (results,) = _run(("agent", tmp_path, 2, env))
+    finally:
+        _kill_agents(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
+    pids = {r["agent"]["agent_pid"] for r in results}
+    assert len(pids) == 1 and None not in pids and os.getpid() not in pids  # one agent, not embedded
+    for r in results:
+        got = r["agent"]
+        assert got["engine"] == "NebulaCheckpointEngine"
+        assert got["latest"] == [f"global_step4/{MODEL}", "ok"], (r["rank"], got)
+        assert got["explicit"] == [f"global_step2/{MODEL}", "ok"], (r["rank"], got)
+    held = _store_snapshot(tmp_path / "agent" / "nebula")
+    assert sorted(held) == ["global_step2", "global_step4"]
+    assert held["global_step4"]["names"] == _expected_names(2, 2)
+
+
+# -- DeepSpeed's engine against nebulite, in this process ------------------------------------
+
+
+class _ScaleState:
+    """Stands for DeepSpeed's loss scaler: an object torch.load(weights_only=True) refuses."""
+
+    def __init__(self, scale: float) -> None:
+        self.scale = scale
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _ScaleState) and other.scale == self.scale
+
+
+def _engine(store: str, **more: Any) -> NebulaCheckpointEngine:
+    block = {"enabled": True, "persistent_storage_path": store, "persistent_time_interval": 0,
+             "num_of_version_in_retention": 2, **more}
+    return NebulaCheckpointEngine(DeepSpeedNebulaConfig({"nebula": block}))
+
+
+def test_nebula_checkpoint_engine_calls(tmp_path, store):
+    """Checkpoint(tag, -2), the placeholder, save(basename), commit() -> True, then
+    get_checkpoint(tag=, persist_path=) and load(name, map_location=) with DeepSpeed's
+    map_location callable, from memory and, in a new session, from the store."""
+    save_dir = tmp_path / "ds"
+    (save_dir / "global_step3").mkdir(parents=True)
+    path = str(save_dir / "global_step3" / MODEL)
+    state = {"module": {"w": torch.arange(6.0).reshape(2, 3)}, "loss_scaler": _ScaleState(2.0), "step": 3}
+    engine = _engine(store)
+    info = CheckpointCommitInfo(tag="global_step3", save_dir=str(save_dir), save_latest=True)
+    engine.create(info)
+    engine.save(state, path)
+    assert torch.load(path, weights_only=True) == ""  # DeepSpeed's placeholder
+    assert engine.commit(info) is True
+    from_memory = engine.load(path, map_location=lambda storage, loc: storage)
+    nebulite.flush_persistence()
+    nebulite.api._reset_for_tests()
+    from_store = _engine(store).load(path, map_location=torch.device("cpu"))
+    for loaded in (from_memory, from_store):
+        assert loaded["loss_scaler"] == _ScaleState(2.0) and loaded["step"] == 3
+        assert torch.equal(loaded["module"]["w"], state["module"]["w"])
+    assert [e["tag"] for e in nebulite.list_checkpoints(store)] == ["global_step3"]
+
+
+def test_only_deepspeeds_engine_unpickles_arbitrary_objects(tmp_path, store):
+    """DeepSpeed's engine loads its state as its torch.load engine does (weights_only=False);
+    through nebulite's own API the same object needs weights_only=False."""
+    import pickle
+
+    (tmp_path / "t").mkdir()
+    path = str(tmp_path / "t" / "state")
+    engine = _engine(store)
+    info = CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False)
+    engine.create(info)
+    engine.save({"scaler": _ScaleState(4.0)}, path)
+    assert engine.commit(info)
+    assert engine.load(path)["scaler"] == _ScaleState(4.0)
+    with pytest.raises(pickle.UnpicklingError, match="weights-only"):
+        nebulite.get_checkpoint(tag="t").load("state")
+    assert nebulite.get_checkpoint(tag="t").load("state", weights_only=False)["scaler"] == _ScaleState(4.0)
