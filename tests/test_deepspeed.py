@@ -15,6 +15,7 @@ from __future__ import annotations
 import csv
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -37,6 +38,7 @@ from deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine import NebulaC
 from deepspeed.nebula.config import DeepSpeedNebulaConfig  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "deepspeed_worker.py")
+DOCS = Path(__file__).resolve().parent.parent / "docs" / "deepspeed.md"
 TIMEOUT = 300
 STAGES = (0, 1, 2)
 MODEL = "mp_rank_00_model_states.pt"
@@ -159,6 +161,17 @@ def _kill_agents(runtime: str) -> None:
                     pass
 
 
+def _export_with_the_docs_recipe(store: Path, workdir: Path, env: dict[str, str]) -> None:
+    """Runs docs/deepspeed.md's recipe in `workdir`, with ckpt/run1 being `store`: it writes
+    workdir/ds_checkpoints, a plain DeepSpeed save_dir (the resume worker loads it)."""
+    (block,) = re.findall(r"```python\n(.*?)```", DOCS.read_text(), flags=re.S)
+    (workdir / "ckpt").mkdir(parents=True)
+    (workdir / "ckpt" / "run1").symlink_to(store)
+    result = subprocess.run([sys.executable, "-c", block], cwd=workdir, env=env, capture_output=True,
+                            text=True, timeout=TIMEOUT)
+    assert result.returncode == 0, result.stderr
+
+
 # -- the runs ------------------------------------------------------------------------------
 
 
@@ -186,6 +199,7 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
             run["stores_after_save"][w] = {s: _store_snapshot(work[w] / f"z{s}" / "nebula") for s in STAGES}
             run["history"][w] = {s: _history(work[w] / f"z{s}" / "nebula") for s in STAGES}
             run["ds_files"][w] = {s: _ds_files(work[w] / f"z{s}" / "ds") for s in STAGES}
+            _export_with_the_docs_recipe(work[w] / "z1" / "nebula", work[w] / "export", env)
         resumed = _run(("resume", work[1], 1, env), ("resume", work[2], 2, env),
                        ("azure_resume", work[1], 1, agent_env))
     finally:
@@ -312,6 +326,15 @@ def test_enable_nebula_load_false_reads_torch_files_first(runs):
         held = _store_snapshot(runs["work"][world] / "plain" / "nebula")
         assert sorted(held) == ["global_step4"]
         assert held["global_step4"]["names"] == _expected_names(1, world)
+
+
+def test_the_docs_recipe_turns_a_checkpoint_into_a_plain_deepspeed_save_dir(runs):
+    """Copied out of nebulite's store, DeepSpeed without the nebula block loads it."""
+    for world, r in _ranks(runs, "resumed"):
+        assert r["resume"]["exported"] == ["TorchCheckpointEngine", f"global_step6/{MODEL}", "ok"], (world, r)
+    save_dir = runs["work"][2] / "export" / "ds_checkpoints"
+    assert (save_dir / "latest").read_text() == "global_step6"
+    assert sorted(os.listdir(save_dir / "global_step6")) == [MODEL, _zero_file(0), _zero_file(1)]
 
 
 def test_azure_documented_pattern(runs):

@@ -14,7 +14,8 @@ MODES is a comma-separated list of:
              an explicit tag, and a tag that retention removed; ZeRO 2 loads through
              nebula_load_path while persisting to another path; then trains and saves on.
              With enable_nebula_load false the first load reads WORKDIR/plain/ds with
-             torch.load, a later one nebulite's checkpoint.
+             torch.load, a later one nebulite's checkpoint. Without the nebula block, loads
+             WORKDIR/export/ds_checkpoints (ZeRO 1's global_step6 copied out of nebulite).
   agent   -- (with NEBULITE_AGENT=1) ZeRO 2: saves and loads back in the same processes
              straight after save_checkpoint() returned, from the node agent's memory.
   azure_save, azure_resume
@@ -224,6 +225,13 @@ class Rank:
             eng.save_checkpoint(ds, client_state=client_state(8))
             out[f"z{stage}"] = r
         out["nebula_load_off"] = self.nebula_load_off()
+        # ZeRO 1's global_step6, copied out of nebulite by the recipe in docs/deepspeed.md.
+        eng = self.engine(self.config(1, None), MODEL_SEED + 1)
+        exported = os.path.join(self.workdir, "export", "ds_checkpoints")
+        path, client = eng.load_checkpoint(exported)
+        out["exported"] = [type(eng.checkpoint_engine).__name__, os.path.relpath(path, exported),
+                           self.loaded_matches(eng, client, self.read_expected(os.path.join(self.workdir, "z1"),
+                                                                               "global_step6"))]
         return out
 
     def nebula_load_off(self) -> dict[str, Any]:
