@@ -33,9 +33,9 @@ import nebulite.api
 
 pytest.importorskip("deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine",
                     reason="needs DeepSpeed with its Nebula engine (0.18.4 to 0.19.6)")
-from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo  # noqa: E402
-from deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine import NebulaCheckpointEngine  # noqa: E402
 from deepspeed.nebula.config import DeepSpeedNebulaConfig  # noqa: E402
+from deepspeed.runtime.checkpoint_engine import checkpoint_engine  # noqa: E402
+from deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine import NebulaCheckpointEngine  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "deepspeed_worker.py")
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "deepspeed.md"
@@ -395,6 +395,13 @@ class _ScaleState:
         return isinstance(other, _ScaleState) and other.scale == self.scale
 
 
+def _commit_info(tag: str, save_dir: Path) -> Any:
+    """What DeepSpeed passes to create() and commit(): a CheckpointCommitInfo in the releases
+    that have one, the tag in earlier ones."""
+    info_class = getattr(checkpoint_engine, "CheckpointCommitInfo", None)
+    return tag if info_class is None else info_class(tag=tag, save_dir=str(save_dir), save_latest=True)
+
+
 def _engine(store: str, **more: Any) -> NebulaCheckpointEngine:
     block = {"enabled": True, "persistent_storage_path": store, "persistent_time_interval": 0,
              "num_of_version_in_retention": 2, **more}
@@ -410,7 +417,7 @@ def test_nebula_checkpoint_engine_calls(tmp_path, store):
     path = str(save_dir / "global_step3" / MODEL)
     state = {"module": {"w": torch.arange(6.0).reshape(2, 3)}, "loss_scaler": _ScaleState(2.0), "step": 3}
     engine = _engine(store)
-    info = CheckpointCommitInfo(tag="global_step3", save_dir=str(save_dir), save_latest=True)
+    info = _commit_info("global_step3", save_dir)
     engine.create(info)
     engine.save(state, path)
     assert torch.load(path, weights_only=True) == ""  # DeepSpeed's placeholder
@@ -433,7 +440,7 @@ def test_only_deepspeeds_engine_unpickles_arbitrary_objects(tmp_path, store):
     (tmp_path / "t").mkdir()
     path = str(tmp_path / "t" / "state")
     engine = _engine(store)
-    info = CheckpointCommitInfo(tag="t", save_dir=str(tmp_path), save_latest=False)
+    info = _commit_info("t", tmp_path)
     engine.create(info)
     engine.save({"scaler": _ScaleState(4.0)}, path)
     assert engine.commit(info)
