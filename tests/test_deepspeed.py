@@ -448,3 +448,22 @@ def test_only_deepspeeds_engine_unpickles_arbitrary_objects(tmp_path, store):
     with pytest.raises(pickle.UnpicklingError, match="weights-only"):
         nebulite.get_checkpoint(tag="t").load("state")
     assert nebulite.get_checkpoint(tag="t").load("state", weights_only=False)["scaler"] == _ScaleState(4.0)
+
+
+def test_torch_force_weights_only_load_applies_to_deepspeeds_engine(tmp_path, store, monkeypatch):
+    """torch's switch forces weights-only loads on DeepSpeed's engine as on its torch.load;
+    DeepSpeed's classes are then allowed with add_safe_globals."""
+    import pickle
+
+    (tmp_path / "t").mkdir()
+    path = str(tmp_path / "t" / "state")
+    engine = _engine(store)
+    info = _commit_info("t", tmp_path)
+    engine.create(info)
+    engine.save({"scaler": _ScaleState(4.0)}, path)
+    assert engine.commit(info)
+    monkeypatch.setenv("TORCH_FORCE_WEIGHTS_ONLY_LOAD", "1")
+    with pytest.raises(pickle.UnpicklingError, match="weights-only"):
+        engine.load(path)
+    with torch.serialization.safe_globals([_ScaleState]):
+        assert engine.load(path)["scaler"] == _ScaleState(4.0)
