@@ -22,7 +22,7 @@ test-py:
 	$(PY) -m pytest -q tests
 
 bench: setup
-	$(PY) benchmarks/bench_save.py
+	$(PY) benchmarks/bench_suite.py $(BENCH_ARGS)
 
 format:
 	clang-format -i $$(git ls-files 'cpp/*.h' 'cpp/*.cc' 'bindings/*.h' 'bindings/*.cc' 'fuzz/*.cc')

@@ -1,0 +1,362 @@
+"""nebulite benchmark suite: nebulite against its peers and the machine's limits, one run.
+
+    make bench                                          # every workload and the training run
+    python benchmarks/bench_suite.py --quick            # syn-256m and gpt2-124m, 2 reps, short training
+    python benchmarks/bench_suite.py --workloads syn-1g,gpt2-124m --reps 5 --dir /mnt/nvme
+    python benchmarks/bench_suite.py --smoke            # tiny states, seconds (the smoke test)
+
+For each workload (a state dict saved by every candidate, same bytes, same disk): blocking
+time per save, time until committed, load time (cold page cache and memory tier), peak
+memory beyond the model; then a training run with a checkpoint every N steps. Printed as
+a table with every target's measured ratio, and written to benchmarks/results/ as JSON and
+a PNG plot. benchmarks/README.md explains each figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+import psutil
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+from suite import pagecache, report, workloads  # noqa: E402
+from suite.link import ENV as LINK_ENV  # noqa: E402
+from suite.link import PREFIX  # noqa: E402
+from suite.monitor import PeakSampler, tree_pss  # noqa: E402
+
+GB = 1e9
+MiB = 1 << 20
+GiB = 1 << 30
+
+
+class WorkerFailed(RuntimeError):
+    pass
+
+
+class Runner:
+    """Runs suite.worker / suite.loader processes and answers their memory marks."""
+
+    def __init__(self, env: dict[str, str], log_dir: str, verbose: bool) -> None:
+        self.env = env
+        self.log_dir = log_dir
+        self.verbose = verbose
+        self.count = 0
+
+    def run(self, module: str, spec: dict[str, Any], extra_env: dict[str, str] | None = None) -> dict[str, Any]:
+        self.count += 1
+        name = spec.get("family") or spec.get("kind") or module
+        log_path = os.path.join(self.log_dir, f"{self.count:02d}-{name.replace(' ', '_')}.log")
+        env = dict(self.env, **(extra_env or {}))
+        with open(log_path, "w") as log:
+            p = subprocess.Popen([sys.executable, "-m", f"suite.{module}", json.dumps(spec)],
+                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                                 bufsize=1, env=env)
+            result: dict[str, Any] | None = None
+            baselines: dict[str, int] = {}
+            samplers: dict[str, PeakSampler] = {}
+            memory: dict[str, Any] = {}
+            assert p.stdout is not None and p.stdin is not None
+            for line in p.stdout:
+                if not line.startswith(PREFIX):
+                    log.write(line)
+                    if self.verbose:
+                        print(line, end="", file=sys.stderr)
+                    continue
+                msg = json.loads(line[len(PREFIX):])
+                op = msg["op"]
+                if op == "baseline":
+                    baselines[msg["key"]] = tree_pss(p.pid)[0]
+                    self._reply(p)
+                elif op == "monitor":
+                    key = msg["key"]
+                    if msg["on"]:
+                        samplers[key] = PeakSampler(p.pid).start()
+                    else:
+                        s = samplers.pop(key)
+                        peak = s.stop()
+                        memory[key] = {"baseline": baselines.get(key, 0), "peak": peak,
+                                       "peak_by_process": {("worker" if pid == p.pid else f"pid {pid}"): v
+                                                           for pid, v in s.peak_by_pid.items()},
+                                       "samples": s.samples}
+                    self._reply(p)
+                elif op == "progress":
+                    print(msg["text"], flush=True)
+                elif op == "result":
+                    result = msg["data"]
+            for s in samplers.values():
+                s.stop()
+            rc = p.wait()
+        if rc != 0 or result is None:
+            with open(log_path) as f:
+                tail = f.read()[-3000:]
+            raise WorkerFailed(f"{module} {name} failed (exit {rc}); log {log_path}:\n{tail}")
+        if memory:
+            result["memory"] = memory
+        return result
+
+    @staticmethod
+    def _reply(p: subprocess.Popen) -> None:
+        assert p.stdin is not None
+        p.stdin.write("ok\n")
+        p.stdin.flush()
+
+
+def _stop(pid: int | None) -> None:
+    """Stops an agent this suite started (by its pid) and waits until it is gone."""
+    if not pid:
+        return
+    try:
+        proc = psutil.Process(pid)
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=60)
+    except psutil.NoSuchProcess:
+        pass
+    except psutil.TimeoutExpired:
+        proc.kill()
+
+
+def _rm(path: str) -> None:
+    if os.path.isdir(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.exists(path):
+        os.unlink(path)
+
+
+def estimated_bytes(name: str) -> int:
+    w = workloads.get(name)
+    if w.kind == "synthetic":
+        return w.target_bytes
+    d, L, V = w.n_embd, w.n_layer, w.vocab_size
+    params = V * d + w.n_positions * d + L * (12 * d * d + 13 * d) + 2 * d
+    return params * 12  # float32 parameters and two float32 moments
+
+
+def machine(bench_dir: str) -> dict[str, Any]:
+    cpu = platform.processor() or "?"
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    cpu = line.split(":", 1)[1].strip()
+                    break
+    except OSError:
+        pass
+    fs = "?"
+    best = ""
+    real = os.path.realpath(bench_dir)
+    for part in psutil.disk_partitions(all=True):
+        if (real == part.mountpoint or real.startswith(part.mountpoint.rstrip("/") + "/")) \
+                and len(part.mountpoint) > len(best):
+            best, fs = part.mountpoint, f"{part.fstype} ({part.device} on {part.mountpoint})"
+    import torch
+
+    ram = psutil.virtual_memory().total
+    desc = (f"{os.cpu_count()} CPUs ({cpu}), {ram / GiB:.0f} GiB RAM, Linux {platform.release()}, "
+            f"Python {platform.python_version()}, torch {torch.__version__}")
+    return {"date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "host": platform.node(),
+            "cpus": os.cpu_count(), "cpu": cpu, "ram_bytes": ram, "kernel": platform.release(),
+            "torch": torch.__version__, "description": desc, "bench_fs": fs,
+            "loadavg_start": " ".join(f"{x:.2f}" for x in os.getloadavg())}
+
+
+def run_workload(runner: Runner, name: str, args: argparse.Namespace, work: str) -> tuple[dict, dict, str]:
+    """Every candidate on one workload; returns (families, loads, cold method)."""
+    wdir = tempfile.mkdtemp(prefix=f"{name}-", dir=work)
+    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
+    base = {"workload": name, "dir": wdir, "reps": args.reps, "memory_factor": args.memory_factor}
+    env = {"NEBULITE_RUNTIME_DIR": runtime}
+    families: dict[str, Any] = {}
+    loads: dict[str, Any] = {}
+    cold = ""
+    agent_pid = None
+
+    def load(kind: str, target: dict[str, str], make_cold: bool = True) -> None:
+        nonlocal cold
+        if make_cold:
+            paths = [target.get("path") or target["root"]]
+            c = pagecache.make_cold(paths, args.drop_caches)
+            cold = f"{c['method']}, {c['still_cached_fraction']:.1%} of the files still cached"
+        r = runner.run("loader", dict(target, kind=kind), env)
+        r["cold"] = cold if make_cold else "memory tier"
+        key = {"torch.load": "torch.load", "dcp.load": "dcp.load", "nebulite-store": "nebulite store",
+               "nebulite-agent": "nebulite memory agent"}[kind]
+        loads[key] = r
+
+    try:
+        print(f"{name}: torch.save", flush=True)
+        families["torch"] = runner.run("worker", dict(base, family="torch"), env)
+        load("torch.load", {"path": families["torch"]["file"]})
+        _rm(families["torch"]["file"])
+
+        print(f"{name}: DCP", flush=True)
+        families["dcp"] = runner.run("worker", dict(base, family="dcp"), env)
+        load("dcp.load", {"path": families["dcp"]["dir"]})
+        _rm(families["dcp"]["dir"])
+
+        print(f"{name}: nebulite embedded", flush=True)
+        families["nebulite-sync"] = runner.run("worker", dict(base, family="nebulite-sync"), env)
+        load("nebulite-store", {"root": families["nebulite-sync"]["root"]})
+        _rm(families["nebulite-sync"]["root"])
+
+        print(f"{name}: nebulite embedded, async staging", flush=True)
+        families["nebulite-async"] = runner.run("worker", dict(base, family="nebulite-async"), env)
+        _rm(families["nebulite-async"]["root"])
+
+        print(f"{name}: nebulite agent", flush=True)
+        families["nebulite-agent"] = runner.run("worker", dict(base, family="nebulite-agent"), env)
+        agent_pid = families["nebulite-agent"].get("agent_pid")
+        load("nebulite-agent", {"root": families["nebulite-agent"]["root"]}, make_cold=False)
+    finally:
+        _stop(agent_pid)
+        shutil.rmtree(wdir, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
+    return families, loads, cold
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description="nebulite benchmark suite (see benchmarks/README.md)")
+    ap.add_argument("--workloads", default=None,
+                    help=f"comma-separated, from: {', '.join(workloads.WORKLOADS)} "
+                         f"(default: {','.join(workloads.DEFAULT_WORKLOADS)})")
+    ap.add_argument("--quick", action="store_true",
+                    help=f"{','.join(workloads.QUICK_WORKLOADS)}, 2 reps, 2 training rounds")
+    ap.add_argument("--smoke", action="store_true", help="tiny states and training: seconds (smoke test)")
+    ap.add_argument("--reps", type=int, default=None, help="timed saves per candidate, after a warm-up (3)")
+    ap.add_argument("--dir", default="/tmp", help="where bench files go (a fresh subdirectory, removed after)")
+    ap.add_argument("--out", default=os.path.join(HERE, "results"), help="where the JSON and PNG go")
+    ap.add_argument("--memory-factor", type=float, default=1.02,
+                    help="nebulite memory budget = factor x state size + 16 MiB (default 1.02)")
+    ap.add_argument("--drop-caches", choices=["auto", "fadvise", "global"], default="auto",
+                    help="how loads are made cold: fadvise(DONTNEED) on the files, dropping the whole "
+                         "page cache, or auto (fadvise, then global if pages stayed)")
+    ap.add_argument("--no-train", action="store_true", help="skip the training run")
+    ap.add_argument("--train-workload", default=None, help="model of the training run (gpt2-124m)")
+    ap.add_argument("--ckpt-every", type=int, default=10, help="a checkpoint every N steps (10)")
+    ap.add_argument("--train-rounds", type=int, default=None,
+                    help="rounds of N steps per variant, variants taking turns (3)")
+    ap.add_argument("--train-batch", type=int, default=2)
+    ap.add_argument("--train-seq", type=int, default=64)
+    ap.add_argument("--no-plot", action="store_true")
+    ap.add_argument("--verbose", action="store_true", help="show the workers' own output")
+    args = ap.parse_args()
+
+    if args.smoke:
+        names = ["syn-tiny"]
+        args.reps = args.reps or 1
+        args.train_workload = args.train_workload or "gpt2-tiny"
+        args.train_rounds = args.train_rounds or 1
+        args.ckpt_every = 2
+        limit_bytes = 64 * MiB
+    elif args.quick:
+        names = list(workloads.QUICK_WORKLOADS)
+        args.reps = args.reps or 2
+        args.train_rounds = args.train_rounds or 2
+        limit_bytes = 512 * MiB
+    else:
+        names = list(workloads.DEFAULT_WORKLOADS)
+        limit_bytes = GiB
+    if args.workloads:
+        names = [n.strip() for n in args.workloads.split(",") if n.strip()]
+        for n in names:
+            workloads.get(n)
+    args.reps = args.reps or 3
+    args.train_workload = args.train_workload or "gpt2-124m"
+    args.train_rounds = args.train_rounds or 3
+
+    os.makedirs(args.dir, exist_ok=True)
+    os.makedirs(args.out, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="nebulite-bench-", dir=args.dir)
+    stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
+    log_dir = os.path.join(args.out, f"logs-{stamp}")
+    os.makedirs(log_dir, exist_ok=True)
+    # Workers import the suite from here and nebulite from where this process found it.
+    paths = [HERE] + [os.path.abspath(p) for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(paths))
+    env[LINK_ENV] = "1"
+    env.setdefault("OMP_NUM_THREADS", str(os.cpu_count() or 1))
+    runner = Runner(env, log_dir, args.verbose)
+    t_start = time.perf_counter()
+    result: dict[str, Any] = {"args": vars(args), "machine": machine(args.dir), "workloads": {},
+                              "summaries": {}}
+    try:
+        def measure_limits() -> dict[str, float]:
+            print(f"machine limits ({limit_bytes // MiB} MiB probes)", flush=True)
+            return runner.run("worker", {"family": "limits", "dir": tempfile.mkdtemp(prefix="limits-", dir=work),
+                                         "memcpy_bytes": limit_bytes, "disk_bytes": limit_bytes})
+
+        result["limits_start"] = measure_limits()
+        colds = set()
+        for name in names:
+            need = 2.3 * estimated_bytes(name) + GiB
+            avail = psutil.virtual_memory().available
+            if avail < need:
+                why = f"needs about {need / GB:.1f} GB of free memory, {avail / GB:.1f} GB available"
+                print(f"{name}: skipped ({why})", flush=True)
+                result["summaries"][name] = {"skipped": why}
+                continue
+            families, loads, cold = run_workload(runner, name, args, work)
+            colds.add(cold)
+            result["workloads"][name] = {"families": families, "loads": loads,
+                                         "description": workloads.get(name).description}
+            result["summaries"][name] = report.summarize(families, loads)
+        result["cold_method"] = "; ".join(sorted(colds))
+        if not args.no_train:
+            print(f"training run: {args.train_workload}", flush=True)
+            tdir = tempfile.mkdtemp(prefix="train-", dir=work)
+            runtime = tempfile.mkdtemp(prefix="nbrt-")
+            try:
+                result["train"] = runner.run(
+                    "worker", {"family": "train", "workload": args.train_workload, "dir": tdir,
+                               "rounds": args.train_rounds, "every": args.ckpt_every,
+                               "batch": args.train_batch, "seq": args.train_seq,
+                               "memory_factor": args.memory_factor},
+                    {"NEBULITE_RUNTIME_DIR": runtime})
+            finally:
+                shutil.rmtree(runtime, ignore_errors=True)
+        # Measured again at the end: each limit is the better of the two (the machine may be
+        # shared, and a limit measured while others ran would flatter the candidates).
+        if not args.smoke:
+            result["limits_end"] = measure_limits()
+        end = result.get("limits_end", {})
+        result["limits"] = {k: max(v, end.get(k, v)) for k, v in result["limits_start"].items()}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    result["machine"]["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
+    result["targets"] = report.targets({w: s for w, s in result["summaries"].items() if not s.get("skipped")},
+                                       result["limits"], result.get("train"))
+    result["seconds"] = time.perf_counter() - t_start
+    text = report.table(result)
+    print()
+    print(text)
+    base = os.path.join(args.out, f"bench-{stamp}")
+    with open(base + ".json", "w") as f:
+        json.dump(result, f, indent=1, default=str)
+    with open(base + ".txt", "w") as f:
+        f.write(text + "\n")
+    outputs = [base + ".json", base + ".txt"]
+    if not args.no_plot:
+        report.plot(result, base + ".png")
+        outputs.append(base + ".png")
+    for p in outputs:
+        latest = os.path.join(args.out, "latest" + os.path.splitext(p)[1])
+        shutil.copyfile(p, latest)
+    print(f"\nresults: {', '.join(os.path.relpath(p) for p in outputs)} (and latest.*); "
+          f"worker logs in {os.path.relpath(log_dir)}; took {result['seconds']:.0f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,10 @@
+"""The benchmark suite's parts; `benchmarks/bench_suite.py` is the program that runs them.
+
+- `workloads`: the states that are saved (synthetic state dicts, GPT-2 with AdamW state);
+- `limits`: the machine's own limits (memcpy, O_DIRECT write and read);
+- `worker`: one process per candidate (torch.save, DCP, nebulite modes), run by the suite;
+- `loader`: one process per cold load, so that nothing of the saving process is reused;
+- `train`: the training run with a checkpoint every N steps;
+- `monitor`: peak memory (PSS) of a process and its descendants;
+- `report`: the table, the targets, the plot.
+"""

@@ -1,0 +1,364 @@
+"""The suite's outputs: the summary of each workload, the targets, the table, the plot."""
+
+from __future__ import annotations
+
+import math
+import statistics
+from typing import Any
+
+GB = 1e9
+GiB = 1 << 30
+
+# (key, label) of every save candidate, in the order of the table.
+SAVES = [
+    ("torch.save+fsync", "torch.save + fsync"),
+    ("torch.save", "torch.save, no fsync (not durable)"),
+    ("dcp.save", "DCP save"),
+    ("dcp.async_save", "DCP async_save (default stager)"),
+    ("dcp.async_save+stager", "DCP async_save + cached stager"),
+    ("dcp.async_save+async_stager", "DCP async_save + async cached stager"),
+    ("nebulite", "nebulite embedded"),
+    ("nebulite async staging", "nebulite embedded, async staging"),
+    ("nebulite agent", "nebulite agent"),
+]
+ASYNC_STAGING = ("dcp.async_save+async_stager", "nebulite async staging")
+LOADS = [
+    ("torch.load", "torch.load, cold page cache"),
+    ("dcp.load", "DCP load, cold page cache"),
+    ("nebulite store", "nebulite from store, cold (find + load)"),
+    ("nebulite store find", "  of which get_latest_checkpoint"),
+    ("nebulite memory agent", "nebulite from agent memory (new process)"),
+    ("nebulite memory embedded", "nebulite from memory (same process)"),
+]
+MEMORY = [
+    ("torch.save+fsync", "torch.save + fsync"),
+    ("dcp.async_save", "DCP async_save (default stager)"),
+    ("dcp.async_save+stager", "DCP async_save + cached stager"),
+    ("dcp.async_save+async_stager", "DCP async_save + async cached stager"),
+    ("nebulite", "nebulite embedded"),
+    ("nebulite async staging", "nebulite embedded, async staging"),
+    ("nebulite agent", "nebulite agent (trainer + agent)"),
+]
+NEBULITE = ["nebulite", "nebulite async staging", "nebulite agent"]
+
+
+def _median(xs: list[float] | None) -> float | None:
+    return statistics.median(xs) if xs else None
+
+
+def summarize(families: dict[str, Any], loads: dict[str, Any]) -> dict[str, Any]:
+    """Flattens one workload's raw results into medians per candidate."""
+    s: dict[str, Any] = {"blocking_s": {}, "staged_s": {}, "committed_s": {}, "load_s": {},
+                         "memory_beyond_bytes": {}, "memory_peak_bytes": {}}
+    state = None
+    for fam in families.values():
+        state = state or fam.get("state")
+        for key, _ in SAVES:
+            figures = fam.get(key)
+            if not isinstance(figures, dict):
+                continue
+            for what in ("blocking_s", "staged_s", "committed_s"):
+                v = _median(figures.get(what))
+                if v is not None:
+                    s[what][key] = v
+        for key, m in fam.get("memory", {}).items():
+            s["memory_beyond_bytes"][key] = m["peak"] - m["baseline"]
+            s["memory_peak_bytes"][key] = m["peak"]
+        if "load_memory" in fam:
+            s["load_s"]["nebulite memory embedded"] = fam["load_memory"]["seconds"]
+            s["load_tier_embedded"] = fam["load_memory"]["tier"]
+        if "memory_budget" in fam:
+            s["nebulite_memory_budget"] = fam["memory_budget"]
+    for key, r in loads.items():
+        s["load_s"][key] = r["seconds"]
+        if key == "nebulite store":
+            s["load_s"]["nebulite store find"] = r["find_s"]
+        if key == "nebulite memory agent":
+            s["load_tier_agent"] = r["tier"]
+    s["state"] = state or {}
+    s["state_bytes"] = (state or {}).get("bytes", 0)
+    return s
+
+
+def _ratio_text(x: float) -> str:
+    if x >= 1:
+        return f"{x:.2f}x"
+    return f"1/{1 / x:.1f}" if x > 0 else "0"
+
+
+def targets(summaries: dict[str, dict[str, Any]], limits: dict[str, float],
+            train: dict[str, Any] | None) -> list[dict[str, Any]]:
+    """Every target, per workload and nebulite mode: the measured ratio and MET/MISSED
+    (None where the target does not apply or a figure is missing)."""
+    rows: list[dict[str, Any]] = []
+    mc2 = limits.get("memcpy_2threads_Bps", math.nan)
+    odw = limits.get("odirect_write_Bps", math.nan)
+    odr = limits.get("odirect_read_Bps", math.nan)
+
+    def add(target: str, who: str, w: str, value: float | None, limit: float | None, ok: bool | None,
+            text: str, applies: bool = True) -> None:
+        rows.append({"target": target, "who": who, "workload": w, "value": value, "limit": limit,
+                     "met": ok if applies else None, "ratio": text, "applies": applies})
+
+    for w, s in summaries.items():
+        big = s["state_bytes"] >= GiB
+        n = s["state_bytes"]
+        blk, stg, com = s["blocking_s"], s["staged_s"], s["committed_s"]
+        ts = blk.get("torch.save+fsync")
+        for who in NEBULITE:
+            b = blk.get(who)
+            if b is not None and ts:
+                add("blocking <= 1/20 of torch.save+fsync (states >= 1 GiB)", who, w, b, ts / 20,
+                    b <= ts / 20, _ratio_text(b / ts), big)
+            dflt = blk.get("dcp.async_save")
+            if b is not None and dflt:
+                add("blocking <= 1/2 of DCP async_save (states >= 1 GiB)", who, w, b, dflt / 2,
+                    b <= dflt / 2, _ratio_text(b / dflt), big)
+            # Stricter: DCP's fastest async_save with the same kind of staging: synchronous
+            # staging against the faster of DCP's synchronous stagers, asynchronous staging
+            # against DCP's asynchronous stager.
+            if who == "nebulite async staging":
+                base_key = "dcp.async_save+async_stager"
+                base = blk.get(base_key)
+            else:
+                cands = {k: blk[k] for k in ("dcp.async_save", "dcp.async_save+stager") if k in blk}
+                base_key = min(cands, key=cands.get) if cands else ""
+                base = cands.get(base_key)
+            if b is not None and base:
+                add("blocking <= 1/2 of DCP's fastest async_save, same staging (>= 1 GiB)", who, w, b,
+                    base / 2, b <= base / 2, f"{_ratio_text(b / base)} of {base_key}", big)
+            if who == "nebulite async staging" and stg.get(who) is not None and stg.get(base_key):
+                st = stg[who]
+                add("until staged <= 1/2 of DCP's async stager (states >= 1 GiB)", who, w, st,
+                    stg[base_key] / 2, st <= stg[base_key] / 2, _ratio_text(st / stg[base_key]), big)
+        for who in ("nebulite", "nebulite agent"):
+            b = blk.get(who)
+            if b:
+                bw = n / b
+                add("staging >= 70% of 2-thread memcpy", who, w, bw, 0.7 * mc2, bw >= 0.7 * mc2,
+                    f"{bw / mc2:.0%}")
+        for who in NEBULITE:
+            c = com.get(who)
+            if c:
+                bw = n / c
+                add("persistence >= 80% of O_DIRECT write", who, w, bw, 0.8 * odw, bw >= 0.8 * odw,
+                    f"{bw / odw:.0%}")
+        ld = s["load_s"].get("nebulite store")
+        if ld:
+            bw = n / ld
+            add("load from store >= 80% of O_DIRECT read", "nebulite", w, bw, 0.8 * odr, bw >= 0.8 * odr,
+                f"{bw / odr:.0%}")
+        for who in NEBULITE:
+            m = s["memory_beyond_bytes"].get(who)
+            if m is not None and n:
+                add("peak memory beyond the model <= 1.1x the state", who, w, m, 1.1 * n,
+                    m <= 1.1 * n, f"{m / n:.2f}x")
+    if train:
+        for v in train["variants"]:
+            r = v.get("relative_to_none")
+            if v["variant"].startswith("nebulite") and r is not None:
+                add(f"training steps/s with a checkpoint every {train['every']} steps >= 95% of none",
+                    v["variant"], train["workload"], v["steps_per_s"], None, r >= 0.95, f"{r:.1%}")
+    return rows
+
+
+# --------------------------------------------------------------------------- the table
+
+
+def _fmt_s(x: float | None) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    return f"{x:.3f}" if x < 10 else f"{x:.1f}"
+
+
+def _fmt_gb(x: float | None) -> str:
+    return "-" if x is None else f"{x / GB:.2f}"
+
+
+def table(result: dict[str, Any]) -> str:
+    summaries: dict[str, dict[str, Any]] = result["summaries"]
+    ws = [w for w in summaries if not summaries[w].get("skipped")]
+    lim = result["limits"]
+    col = 14
+    lines: list[str] = []
+
+    def head(title: str) -> None:
+        lines.append(f"{title:46s}" + "".join(f"{w:>{col}s}" for w in ws))
+
+    def row(label: str, cells: list[str]) -> None:
+        lines.append(f"  {label:44s}" + "".join(f"{c:>{col}s}" for c in cells))
+
+    m = result["machine"]
+    lines.append(f"nebulite benchmark suite, {m['date']}: {m['description']}")
+    lines.append(f"  load average {m['loadavg_start']} at the start, {m['loadavg_end']} at the end; "
+                 f"bench files on {m['bench_fs']}")
+    def limits_text(x: dict[str, float]) -> str:
+        return (f"memcpy into warm memory {x['memcpy_1thread_Bps'] / GB:.1f} GB/s (1 thread), "
+                f"{x['memcpy_2threads_Bps'] / GB:.1f} GB/s (2 threads); O_DIRECT write+fsync "
+                f"{x['odirect_write_Bps'] / GB:.2f} GB/s, read {x['odirect_read_Bps'] / GB:.2f} GB/s")
+
+    lines.append(f"machine limits (the better of start and end): {limits_text(lim)}")
+    for when in ("start", "end"):
+        if f"limits_{when}" in result:
+            lines.append(f"  at the {when:5s}: {limits_text(result[f'limits_{when}'])}")
+    for w, s in summaries.items():
+        if s.get("skipped"):
+            lines.append(f"  {w}: skipped ({s['skipped']})")
+    if not ws:
+        return "\n".join(lines)
+    lines.append("")
+    head("workload")
+    row("state (GB)", [_fmt_gb(summaries[w]["state_bytes"]) for w in ws])
+    row("tensors", [str(summaries[w]["state"].get("tensors", "-")) for w in ws])
+    row("nebulite memory budget (GB)", [_fmt_gb(summaries[w].get("nebulite_memory_budget")) for w in ws])
+    reps = result["args"]["reps"]
+    lines.append("")
+    head(f"blocking time per save, s (median of {reps})")
+    for key, label in SAVES:
+        row(label, [_fmt_s(summaries[w]["blocking_s"].get(key)) for w in ws])
+        if key in ASYNC_STAGING:
+            row("  until staged (the next optimizer step waits)",
+                [_fmt_s(summaries[w]["staged_s"].get(key)) for w in ws])
+    lines.append("")
+    head("time until committed (durable), s")
+    for key, label in SAVES:
+        if key == "torch.save":
+            continue
+        row(label, [_fmt_s(summaries[w]["committed_s"].get(key)) for w in ws])
+    lines.append("")
+    head("bandwidth, GB/s (state / time)")
+    row("nebulite staging (embedded, blocking)",
+        [_fmt_gb(_div(summaries[w]["state_bytes"], summaries[w]["blocking_s"].get("nebulite"))) for w in ws])
+    row("nebulite persistence (embedded, committed)",
+        [_fmt_gb(_div(summaries[w]["state_bytes"], summaries[w]["committed_s"].get("nebulite"))) for w in ws])
+    row("torch.save + fsync",
+        [_fmt_gb(_div(summaries[w]["state_bytes"], summaries[w]["committed_s"].get("torch.save+fsync")))
+         for w in ws])
+    row("nebulite load from store (cold)",
+        [_fmt_gb(_div(summaries[w]["state_bytes"], summaries[w]["load_s"].get("nebulite store"))) for w in ws])
+    lines.append("")
+    head("load, s")
+    for key, label in LOADS:
+        row(label, [_fmt_s(summaries[w]["load_s"].get(key)) for w in ws])
+    lines.append(f"  (cold: {result.get('cold_method', '?')})")
+    lines.append("")
+    head("peak memory beyond the model, GB (PSS)")
+    for key, label in MEMORY:
+        row(label, [_fmt_gb(summaries[w]["memory_beyond_bytes"].get(key)) for w in ws])
+
+    train = result.get("train")
+    if train:
+        lines.append("")
+        lines.append(f"training run: {train['workload']}, batch {train['batch']}x{train['seq']} tokens, "
+                     f"a checkpoint every {train['every']} steps, {train['rounds']} rounds of "
+                     f"{train['every']} steps per variant (state {train['state_bytes'] / GB:.2f} GB)")
+        for v in train["variants"]:
+            rel = v.get("relative_to_none")
+            rel_text = f"{rel:.1%} of none" if rel is not None else ""
+            rounds = " ".join(f"{x:.0%}" for x in v.get("relative_by_round", []))
+            calls = v["checkpoint_call_s"]
+            stall = f"checkpoint call {statistics.median(calls):.3f} s" if calls else ""
+            lines.append(f"  {v['variant']:26s}{v['steps_per_s']:7.3f} steps/s {rel_text:>14s} "
+                         f"(rounds: {rounds})  {stall}")
+
+    lines.append("")
+    head("targets (measured ratio; MET, MISSED or n/a)")
+    rows = result["targets"]
+    for target in dict.fromkeys(r["target"] for r in rows):
+        lines.append(f"  {target}")
+        for who in dict.fromkeys(r["who"] for r in rows if r["target"] == target):
+            cells = []
+            for w in ws:
+                r = next((r for r in rows if r["target"] == target and r["who"] == who
+                          and r["workload"] == w), None)
+                if r is None:
+                    cells.append("")
+                else:
+                    verdict = "n/a" if r["met"] is None else ("MET" if r["met"] else "MISSED")
+                    cells.append(f"{r['ratio'].split(' of ')[0]} {verdict}")
+            if target.startswith("training"):
+                r = next(r for r in rows if r["target"] == target and r["who"] == who)
+                cells = [f"{r['ratio']} {'MET' if r['met'] else 'MISSED'}"]
+            lines.append(f"    {who:42s}" + "".join(f"{c:>{col}s}" for c in cells))
+    missed = [r for r in rows if r["met"] is False]
+    lines.append(f"{len(missed)} of {sum(r['met'] is not None for r in rows)} target checks MISSED"
+                 if missed else "every target check MET")
+    return "\n".join(lines)
+
+
+def _div(a: float, b: float | None) -> float | None:
+    return a / b if b else None
+
+
+# --------------------------------------------------------------------------- the plot
+
+
+def plot(result: dict[str, Any], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    summaries = {w: s for w, s in result["summaries"].items() if not s.get("skipped")}
+    ws = list(summaries)
+    fig, axes = plt.subplots(2, 3, figsize=(18, 10))
+    fig.suptitle(f"nebulite benchmark suite, {result['machine']['date']}: {result['machine']['description']}",
+                 fontsize=10)
+
+    def bars(ax: Any, series: list[tuple[str, list[float | None]]], title: str, ylabel: str,
+             log: bool = False) -> None:
+        width = 0.8 / max(1, len(series))
+        for i, (label, vals) in enumerate(series):
+            xs = [j + i * width for j in range(len(ws))]
+            ax.bar(xs, [v if v is not None else 0 for v in vals], width, label=label)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ws))])
+        ax.set_xticklabels(ws, fontsize=8)
+        ax.set_title(title, fontsize=10)
+        ax.set_ylabel(ylabel)
+        if log:
+            ax.set_yscale("log")
+        ax.legend(fontsize=6)
+
+    def series(field: str, keys: list[tuple[str, str]]) -> list[tuple[str, list[float | None]]]:
+        return [(label, [summaries[w][field].get(k) for w in ws]) for k, label in keys
+                if any(summaries[w][field].get(k) is not None for w in ws)]
+
+    bars(axes[0][0], series("blocking_s", SAVES), "blocking time per save (training stall)", "s", log=True)
+    bars(axes[0][1], series("committed_s", [k for k in SAVES if k[0] != "torch.save"]),
+         "time until committed (durable)", "s", log=True)
+    bars(axes[0][2], series("load_s", [k for k in LOADS if k[0] != "nebulite store find"]), "load time", "s",
+         log=True)
+    mem = [(label, [(summaries[w]["memory_beyond_bytes"].get(k) or 0) / max(1, summaries[w]["state_bytes"])
+                    if summaries[w]["memory_beyond_bytes"].get(k) is not None else None for w in ws])
+           for k, label in MEMORY]
+    bars(axes[1][0], mem, "peak memory beyond the model (PSS) / state size", "x state")
+    axes[1][0].axhline(1.1, color="k", lw=0.8, ls="--")
+
+    lim = result["limits"]
+
+    def frac(w: str, num: float | None, limit: float) -> float | None:
+        return num / limit if num and limit and not math.isnan(limit) else None
+
+    limits_series = [
+        ("staging / 2-thread memcpy", [frac(w, _div(summaries[w]["state_bytes"], summaries[w]["blocking_s"].get("nebulite")), lim["memcpy_2threads_Bps"]) for w in ws]),
+        ("persistence / O_DIRECT write", [frac(w, _div(summaries[w]["state_bytes"], summaries[w]["committed_s"].get("nebulite")), lim["odirect_write_Bps"]) for w in ws]),
+        ("load from store / O_DIRECT read", [frac(w, _div(summaries[w]["state_bytes"], summaries[w]["load_s"].get("nebulite store")), lim["odirect_read_Bps"]) for w in ws]),
+    ]
+    bars(axes[1][1], limits_series, "nebulite against the machine's limits", "fraction of the limit")
+    for y in (0.7, 0.8):
+        axes[1][1].axhline(y, color="k", lw=0.8, ls="--")
+
+    ax = axes[1][2]
+    train = result.get("train")
+    if train:
+        labels = [v["variant"] for v in train["variants"]]
+        ax.bar(range(len(labels)), [v["steps_per_s"] for v in train["variants"]])
+        ax.set_xticks(range(len(labels)))
+        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+        ax.set_title(f"training {train['workload']}: a checkpoint every {train['every']} steps", fontsize=10)
+        ax.set_ylabel("steps/s")
+    else:
+        ax.axis("off")
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
