@@ -94,6 +94,30 @@ void RegisterStorage(nb::module_& m) {
   });
 
   m.def(
+      "read_data_file",
+      [](const std::string& root, const std::string& path, const std::string& name, uint64_t size,
+         uint32_t crc, const std::vector<std::tuple<uint64_t, uint64_t, uintptr_t>>& spans,
+         int threads) {
+        // Reads a whole data file, each (offset, size, address) span into its buffer (address
+        // 0: checksummed only), and verifies its size and CRC in the same pass. Returns the
+        // CRC-32 of each span.
+        std::vector<FileSpan> v;
+        v.reserve(spans.size());
+        for (const auto& [offset, n, dst] : spans)
+          v.push_back({offset, n, reinterpret_cast<void*>(dst)});
+        std::vector<uint32_t> crcs;
+        Status st;
+        {
+          nb::gil_scoped_release release;
+          st = ReadDataFile(StoreFor(root), path, ManifestFile{name, size, crc}, v, threads, &crcs);
+        }
+        ThrowIfError(st);
+        return crcs;
+      },
+      nb::arg("root"), nb::arg("path"), nb::arg("name"), nb::arg("size"), nb::arg("crc"),
+      nb::arg("spans"), nb::arg("threads") = 4);
+
+  m.def(
       "stream_object",
       [](const std::string& root, const std::string& tag, const std::string& version, uint32_t rank,
          const std::string& name,

@@ -95,4 +95,23 @@ Result<std::vector<std::pair<std::string, std::string>>> ApplyRetention(Storage*
 // Verifies a data file against its manifest entry (size and whole-file CRC).
 Status VerifyDataFile(Storage* storage, const std::string& path, const ManifestFile& f);
 
+// A part of a data file for ReadDataFile: the `size` bytes at file offset `offset` go to
+// `dst` (nullptr: they are read and checksummed, not kept).
+struct FileSpan {
+  uint64_t offset = 0;
+  uint64_t size = 0;
+  void* dst = nullptr;
+};
+
+// Reads a whole data file and verifies it as VerifyDataFile does (size, whole-file CRC),
+// in one pass: `spans` tile the file in order (each starts where the previous ended, the
+// last ends at f.size; else InvalidArgument), so that a loader can read each record
+// straight into its own buffer. Pieces are read and checksummed by `threads` threads
+// (<= 1: the calling thread). With `span_crcs`, it receives the CRC-32 of each span (so
+// that a loader checks its records' own checksums without another pass). On error the
+// content of the buffers is unspecified.
+Status ReadDataFile(Storage* storage, const std::string& path, const ManifestFile& f,
+                    const std::vector<FileSpan>& spans, int threads,
+                    std::vector<uint32_t>* span_crcs = nullptr);
+
 }  // namespace nebulite

@@ -10,7 +10,9 @@
 //      and checks them all, records their CRCs, and writes COMMITTED the same way, last.
 // A crash before step 3 completes leaves no marker, so the version stays invisible.
 #include <algorithm>
+#include <atomic>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "nebulite/commit.h"
@@ -20,6 +22,7 @@ namespace nebulite {
 namespace {
 
 constexpr uint64_t kVerifyChunkBytes = 8ull << 20;
+constexpr uint64_t kReadPieceBytes = 16ull << 20;  // unit of work of ReadDataFile
 
 Status ValidateIds(const std::string& tag, const std::string& version) {
   NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(tag, "tag"));
@@ -153,6 +156,91 @@ Status VerifyDataFile(Storage* storage, const std::string& path, const ManifestF
     }
     crc = Crc32(crc, buffer.data(), got);
     offset += got;
+  }
+  if (crc != f.crc32) {
+    return Status::Corruption("data file '" + path + "' fails its CRC-32 check");
+  }
+  return Status::OK();
+}
+
+Status ReadDataFile(Storage* storage, const std::string& path, const ManifestFile& f,
+                    const std::vector<FileSpan>& spans, int threads,
+                    std::vector<uint32_t>* span_crcs) {
+  uint64_t expect = 0;
+  for (const FileSpan& s : spans) {
+    if (s.offset != expect) {
+      return Status::InvalidArgument("spans of '" + path + "' do not tile it: a span starts at " +
+                                     std::to_string(s.offset) + ", expected " +
+                                     std::to_string(expect));
+    }
+    expect += s.size;
+  }
+  if (expect != f.size) {
+    return Status::InvalidArgument("spans of '" + path + "' cover " + std::to_string(expect) +
+                                   " bytes, its manifest says " + std::to_string(f.size));
+  }
+  Result<uint64_t> size = storage->FileSize(path);
+  if (!size.ok()) {
+    if (size.status().code() == StatusCode::kNotFound) {
+      return Status::Corruption("data file '" + path + "' is missing");
+    }
+    return size.status();
+  }
+  if (*size != f.size) {
+    return Status::Corruption("data file '" + path + "' has " + std::to_string(*size) +
+                              " bytes, its manifest says " + std::to_string(f.size));
+  }
+  // Units of work of at most kReadPieceBytes, in file order.
+  std::vector<FileSpan> pieces;
+  std::vector<size_t> span_of;  // the span each piece belongs to
+  for (size_t k = 0; k < spans.size(); ++k) {
+    const FileSpan& s = spans[k];
+    for (uint64_t off = 0; off < s.size; off += kReadPieceBytes) {
+      uint64_t n = std::min(kReadPieceBytes, s.size - off);
+      pieces.push_back({s.offset + off, n, s.dst ? static_cast<uint8_t*>(s.dst) + off : nullptr});
+      span_of.push_back(k);
+    }
+  }
+  std::vector<uint32_t> crcs(pieces.size(), 0);
+  std::vector<Status> status(pieces.size());
+  auto work = [&](size_t i) {
+    const FileSpan& p = pieces[i];
+    std::string scratch;
+    void* dst = p.dst;
+    if (dst == nullptr) {
+      scratch.resize(p.size);
+      dst = scratch.data();
+    }
+    Result<size_t> got = storage->ReadAt(path, p.offset, p.size, dst);
+    if (!got.ok()) {
+      status[i] = got.status();
+    } else if (*got != p.size) {
+      status[i] = Status::Corruption("data file '" + path + "' shrank while being read");
+    } else {
+      crcs[i] = Crc32(0, dst, p.size);
+    }
+  };
+  const int t = std::max(1, std::min<int>(threads, static_cast<int>(pieces.size())));
+  if (t == 1) {
+    for (size_t i = 0; i < pieces.size(); ++i) work(i);
+  } else {
+    std::vector<std::thread> pool;
+    std::atomic<size_t> next{0};
+    for (int k = 0; k < t; ++k)
+      pool.emplace_back([&] {
+        for (size_t i; (i = next.fetch_add(1)) < pieces.size();) work(i);
+      });
+    for (auto& th : pool) th.join();
+  }
+  uint32_t crc = 0;
+  if (span_crcs) span_crcs->assign(spans.size(), 0);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    NEBULITE_RETURN_IF_ERROR(status[i]);
+    crc = Crc32Combine(crc, crcs[i], pieces[i].size);
+    if (span_crcs) {
+      uint32_t& c = (*span_crcs)[span_of[i]];
+      c = Crc32Combine(c, crcs[i], pieces[i].size);
+    }
   }
   if (crc != f.crc32) {
     return Status::Corruption("data file '" + path + "' fails its CRC-32 check");

@@ -408,6 +408,57 @@ TEST(CommitProtocolTest, VerifyDataFile) {
   EXPECT_TRUE(VerifyDataFile(s.get(), "t/v/rank0/big", {"big", big.size(), CrcOf(big)}).ok());
 }
 
+TEST(CommitProtocolTest, ReadDataFileReadsAndVerifiesInOnePass) {
+  auto s = NewMemoryStorage();
+  // Several pieces of the reader (16 MiB) and sizes that are not a multiple of anything.
+  std::string big((40u << 20) + 12345, '\0');
+  for (size_t i = 0; i < big.size(); i += 4099) big[i] = static_cast<char>(i);
+  ASSERT_TRUE(s->WriteFileAtomic("t/v/rank0/big", big).ok());
+  const ManifestFile f{"big", big.size(), CrcOf(big)};
+  const std::string path = "t/v/rank0/big";
+  for (int threads : {1, 3}) {
+    // The whole file into one buffer.
+    std::string got(big.size(), 'x');
+    ASSERT_TRUE(ReadDataFile(s.get(), path, f, {{0, big.size(), got.data()}}, threads).ok());
+    EXPECT_EQ(got, big);
+    // Two records into their own buffers, the bytes around them only checksummed.
+    std::string a(3u << 20, 'x'), b((20u << 20) + 7, 'x');
+    const uint64_t a_at = 4096, b_at = a_at + a.size() + 100;
+    std::vector<FileSpan> spans = {{0, a_at, nullptr},
+                                   {a_at, a.size(), a.data()},
+                                   {a_at + a.size(), 100, nullptr},
+                                   {b_at, b.size(), b.data()},
+                                   {b_at + b.size(), big.size() - b_at - b.size(), nullptr}};
+    std::vector<uint32_t> crcs;
+    ASSERT_TRUE(ReadDataFile(s.get(), path, f, spans, threads, &crcs).ok());
+    EXPECT_EQ(a, big.substr(a_at, a.size()));
+    EXPECT_EQ(b, big.substr(b_at, b.size()));
+    ASSERT_EQ(crcs.size(), spans.size());
+    for (size_t k = 0; k < spans.size(); ++k)
+      EXPECT_EQ(crcs[k], CrcOf(big.substr(spans[k].offset, spans[k].size))) << k;
+  }
+  std::string got(big.size() + 1, 'x');
+  ManifestFile wrong_crc = f;
+  wrong_crc.crc32 ^= 1;
+  Status st = ReadDataFile(s.get(), path, wrong_crc, {{0, f.size, got.data()}}, 2);
+  EXPECT_EQ(st.code(), StatusCode::kCorruption);
+  EXPECT_NE(st.message().find(path), std::string::npos);
+  ManifestFile wrong_size = f;
+  wrong_size.size += 1;
+  EXPECT_EQ(ReadDataFile(s.get(), path, wrong_size, {{0, wrong_size.size, got.data()}}, 2).code(),
+            StatusCode::kCorruption);
+  EXPECT_EQ(ReadDataFile(s.get(), "t/v/rank0/missing", f, {{0, f.size, got.data()}}, 2).code(),
+            StatusCode::kCorruption);
+  // Spans that do not tile the file are the caller's mistake.
+  EXPECT_EQ(ReadDataFile(s.get(), path, f, {{0, 10, nullptr}, {11, f.size - 11, nullptr}}, 2).code(),
+            StatusCode::kInvalidArgument);
+  EXPECT_EQ(ReadDataFile(s.get(), path, f, {{0, f.size - 1, nullptr}}, 2).code(),
+            StatusCode::kInvalidArgument);
+  // An empty file.
+  ASSERT_TRUE(s->WriteFileAtomic("t/v/rank0/empty", "").ok());
+  EXPECT_TRUE(ReadDataFile(s.get(), "t/v/rank0/empty", {"empty", 0, CrcOf("")}, {}, 2).ok());
+}
+
 // A crash at every operation index of a save never exposes a torn version and never
 // harms the version committed before it.
 TEST(CommitProtocolTest, CrashAtEveryOperationOfASave) {
