@@ -94,7 +94,13 @@ def main() -> int:
     ap.add_argument("--dir", default="/tmp")
     ap.add_argument("--retention", type=int, default=2, help="checkpoints saved and kept (2: nebulite's default)")
     ap.add_argument("--drop-caches", choices=["auto", "fadvise", "global"], default="auto")
+    ap.add_argument("--no-huge-pages", action="store_true",
+                    help="loads fill buffers without the huge-page advice (to compare)")
     args = ap.parse_args()
+    if args.no_huge_pages:
+        from nebulite import _serialization
+
+        _serialization._HUGE_PAGES_FROM = 1 << 62
     work = tempfile.mkdtemp(prefix="nebulite-profile-", dir=args.dir)
     root = os.path.join(work, "store")
     rows: list[tuple[str, float, int]] = []

@@ -283,6 +283,10 @@ def test_bitflip_detected_by_handle_taken_before_damage(store):
     assert handle.tag == "damaged"
     path = _data_file(store, "damaged")
     _flip_bit(path)
+    # Finding the checkpoint read and verified its file into the buffers of the first
+    # load, so that load returns the intact bytes it verified...
+    assert handle.load("model")["step"] == 2
+    # ...and every later read of the file detects the damage.
     with pytest.raises(CorruptCheckpointError) as info:
         handle.load("model")
     assert os.path.relpath(path, store) in str(info.value)

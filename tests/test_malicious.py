@@ -235,6 +235,9 @@ def test_handle_load_rejects_file_damaged_after_verification(store, case):
     assert handle.tag == "bad"
     with open(_data_path(root, bad), "wb") as f:
         f.write(crafted(case))
+    # The handle's first load returns the bytes it read and verified when it was taken;
+    # every later read of the damaged file is rejected.
+    _assert_obj(handle.load("obj"))
     with pytest.raises(CorruptCheckpointError):
         handle.load("obj")
 

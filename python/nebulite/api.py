@@ -26,7 +26,7 @@ from typing import Any, Iterable
 
 from . import _core, _dist, _staging
 from ._config import Config
-from ._serialization import ArchiveSource, flatten, load_archive, resolve_weights_only
+from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
 from .errors import (
     CorruptCheckpointError,
     FailedPreconditionError,
@@ -525,7 +525,14 @@ def _load_from_store(c: dict[str, Any], name: str, map_location: Any, weights_on
     rank = _session.rank if _session is not None else 0
     rel, _ = _locate(root, c, name, rank)
     path = os.path.join(root, rel)
+    # Read and verified already when the handle was found (see _verify): no second read.
+    buffers = c.get("prefetched", {}).pop(name, None)
     try:
+        if buffers is not None:  # every record is there: the file is not read again
+            source = ArchiveSource({n: int(b.numel()) for n, b in buffers.items()},
+                                   read=_unreachable, read_into=_unreachable, description=path,
+                                   buffers=buffers)
+            return load_archive(source, map_location, weights_only)
         archive = _core.StoredArchive.open(root, rel)
         sizes = {n: size for n, _, size, _ in archive.records()}
         source = ArchiveSource(
@@ -541,18 +548,83 @@ def _load_from_store(c: dict[str, Any], name: str, map_location: Any, weights_on
         raise type(e)(f"{path}: {e}") from None
 
 
-def _verify(root: str, entry: dict[str, Any]) -> bool:
-    """Checks every rank's manifest and data file (size and CRC); cached per process."""
+def _unreachable(*args: Any) -> Any:  # pragma: no cover - a record outside the archive
+    raise NotFoundError(f"record {args[0]!r} is not in the archive")
+
+
+def _read_verified(root: str, rel: str, name: str, size: int, crc: int) -> dict[str, Any] | None:
+    """Reads data file `rel` whole and verifies it (size, CRC) in one pass, each record
+    straight into the buffer a load of it hands out. Returns {record: uint8 tensor}, or
+    None (after verifying it the plain way) when its index cannot be read or its records
+    do not tile it: the load then reads the file and rejects it."""
+    try:
+        archive = _core.StoredArchive.open(root, rel)  # the index: small reads at the file's end
+    except CorruptCheckpointError:
+        # Checking a file is its size and CRC; a bad index is the loader's to reject.
+        _core.verify_data_file(root, rel, name, size, crc)
+        return None
+    spans: list[tuple[int, int, int]] = []
+    buffers: dict[str, Any] = {}
+    expected: dict[int, int] = {}  # span index -> the record's own CRC-32
+    pos = 0
+    for rname, offset, rsize, rcrc in sorted(archive.records(), key=lambda r: r[1]):
+        if offset < pos or offset + rsize > size:
+            _core.verify_data_file(root, rel, name, size, crc)
+            return None
+        if offset > pos:
+            spans.append((pos, offset - pos, 0))  # headers and padding: checksummed only
+        buf = new_buffer(rsize)
+        buffers[rname] = buf
+        expected[len(spans)] = rcrc
+        spans.append((offset, rsize, buf.data_ptr()))
+        pos = offset + rsize
+    if pos < size:
+        spans.append((pos, size - pos, 0))
+    got = _core.read_data_file(root, rel, name, size, crc, spans, 4)
+    if any(got[i] != c for i, c in expected.items()):
+        return None  # the file is intact, a record is not: the load reads it and rejects it
+    return buffers
+
+
+def _available_memory() -> int:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError):
+        return 0
+
+
+def _verify(root: str, entry: dict[str, Any], prefetch_rank: int | None = None) -> bool:
+    """Checks every rank's manifest and data file (size and CRC); cached per process.
+
+    With `prefetch_rank`, that rank's files are read into the buffers a load returns while
+    they are checked (entry["prefetched"], held by the handle until loaded): loading them
+    right after reads nothing twice. Files larger than half the available memory are only
+    checked, and loaded from the store later."""
     key = (root, entry["tag"], entry["version"])
     if key in _verified:
         return _verified[key]
     ok = True
+    prefetched: dict[str, Any] = {}
     try:
         for r in range(int(entry["world_size"])):
             m = _core.read_manifest(root, entry["tag"], entry["version"], r)
+            if r == prefetch_rank and sum(f[1] for f in m["files"]) > _available_memory() // 2:
+                prefetch_rank = None  # too large to hold before it is loaded: check it only
             for name, size, crc in m["files"]:
                 path = _core.data_file_path(entry["tag"], entry["version"], r, name)
-                _core.verify_data_file(root, path, name, size, crc)
+                if r == prefetch_rank:
+                    buffers = _read_verified(root, path, name, size, crc)
+                    if buffers is not None:
+                        prefetched[name] = buffers
+                else:
+                    _core.verify_data_file(root, path, name, size, crc)
     except (CorruptCheckpointError, NotFoundError, OSError) as e:
         warnings.warn(
             f"nebulite: skipping damaged checkpoint {entry['tag']!r} "
@@ -560,6 +632,8 @@ def _verify(root: str, entry: dict[str, Any]) -> bool:
             stacklevel=4,
         )
         ok = False
+    if ok and prefetched:
+        entry["prefetched"] = prefetched
     _verified[key] = ok
     return ok
 
@@ -627,9 +701,18 @@ def _handle(entry: dict[str, Any]) -> Checkpoint:
 
 
 def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoint:
+    s = _session
+    if not agree or s is None or s.world_size == 1 or not _dist.initialized():
+        # This process decides alone: check the newest first and stop at the first intact
+        # one, reading this rank's files into the buffers its load() will hand out.
+        rank = s.rank if s is not None else 0
+        for e in entries:
+            if e["tier"] == "memory" or _verify(
+                    e["root"], e, prefetch_rank=rank if rank < int(e["world_size"]) else None):
+                return _handle(e)
+        return Checkpoint("", _committed=None)
     usable = [e for e in entries if e["tier"] == "memory" or _verify(e["root"], e)]
-    if agree:
-        usable = _agreed(usable)
+    usable = _agreed(usable)
     return _handle(usable[0]) if usable else Checkpoint("", _committed=None)
 
 
