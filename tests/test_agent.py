@@ -46,6 +46,16 @@ def test_init_uses_the_agent_by_default(agent_env, store, monkeypatch):
     assert nebulite.session_info()["agent_pid"] == pid
 
 
+def test_the_agent_a_trainer_starts_does_not_load_torch(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
+    pid = nebulite.session_info()["agent_pid"]
+    nebulite.Checkpoint("a").save("x", torch.ones(4))
+    nebulite.flush_persistence()
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "_core" in maps and "libtorch" not in maps
+    nebulite.shutdown()
+
+
 def test_an_agent_started_by_hand_serves_the_trainers(agent_env, store):
     cmd = [sys.executable, "-m", "nebulite.cli", "agent", "--root", store,
            "--memory", str(64 << 20), "--idle-exit", "1"]
