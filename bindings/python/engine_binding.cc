@@ -71,11 +71,6 @@ void RegisterEngine(nb::module_& m) {
       "Copies n bytes with every core (GIL released).");
 
   m.def(
-      "advise_huge_pages",
-      [](uintptr_t address, uint64_t n) { return AdviseHugePages(reinterpret_cast<void*>(address), n); },
-      "Asks for transparent huge pages in the whole 2 MiB pages of a buffer not touched yet.");
-
-  m.def(
       "copy_many",
       [](const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t>>& spans) {
         std::vector<CopySpan> v;

@@ -22,23 +22,21 @@ from typing import Any, Callable
 
 import torch
 
-from . import _core, _staging
+from . import _staging
 from .errors import InvalidArgumentError
 
 FORMAT_VERSION = 1
 INDEX_RECORD = ".nebulite/index.json"
 _TORCH_ARCHIVE_VERSION = b"3\n"  # what torch.save writes as `version`
 STORAGE_ALIGNMENT = 4096
-#: Buffers this large get transparent huge pages for a load to fill (faults several times faster).
-_HUGE_PAGES_FROM = 4 << 20
 
 
 def new_buffer(nbytes: int) -> torch.Tensor:
-    """A fresh uint8 tensor of `nbytes` for a load to fill, huge pages advised when large."""
-    t = torch.empty(nbytes, dtype=torch.uint8)
-    if nbytes >= _HUGE_PAGES_FROM:
-        _core.advise_huge_pages(t.data_ptr(), nbytes)
-    return t
+    """A fresh uint8 tensor of `nbytes` for a load to fill."""
+    # Transparent huge pages were tried here (MADV_HUGEPAGE): on the development machine, a
+    # virtual machine that hands freed memory back to its host, fresh processes filled them
+    # more slowly than 4 KiB pages (see benchmarks/README.md, profiles).
+    return torch.empty(nbytes, dtype=torch.uint8)
 
 
 def _bytes_address(b: bytes) -> int:

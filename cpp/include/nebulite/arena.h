@@ -83,10 +83,4 @@ class Arena {
   bool stop_prefault_ = false;
 };
 
-// Asks the kernel to back the whole 2 MiB pages inside [p, p + n) with transparent huge
-// pages (best effort; memory not touched yet then faults in 2 MiB at a time, several times
-// faster than page by page). For buffers that are about to be filled, such as the
-// tensors of a load. Returns whether the advice was taken.
-bool AdviseHugePages(void* p, uint64_t n);
-
 }  // namespace nebulite

@@ -70,13 +70,6 @@ Result<std::unique_ptr<Arena>> Arena::Create(uint64_t capacity, bool prefault, b
   return arena;
 }
 
-bool AdviseHugePages(void* p, uint64_t n) {
-  const uint64_t begin = RoundUp(reinterpret_cast<uint64_t>(p), kMapGranule);
-  const uint64_t end = (reinterpret_cast<uint64_t>(p) + n) / kMapGranule * kMapGranule;
-  if (end <= begin) return false;
-  return madvise(reinterpret_cast<void*>(begin), end - begin, MADV_HUGEPAGE) == 0;
-}
-
 Arena::Arena(uint8_t* base, uint64_t capacity, int fd) : base_(base), capacity_(capacity), fd_(fd) {
   free_[0] = capacity;
 }
