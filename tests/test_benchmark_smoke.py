@@ -50,3 +50,12 @@ def test_profile_load_smoke(tmp_path: Path) -> None:
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "get_latest_checkpoint" in result.stdout and "O_DIRECT" in result.stdout
     assert not any(tmp_path.iterdir())
+
+
+def test_profile_save_smoke() -> None:
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "profile_save.py"), "--workload", "syn-tiny", "--reps", "1"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "copy engine" in result.stdout and "(agent)" in result.stdout

@@ -237,7 +237,7 @@ def table(result: dict[str, Any]) -> str:
     row("nebulite load from store (cold)",
         [_fmt_gb(_div(summaries[w]["state_bytes"], summaries[w]["load_s"].get("nebulite store"))) for w in ws])
     lines.append("")
-    head("load, s")
+    head(f"load, s (median of {result['args'].get('load_reps', 1)}, fresh processes)")
     for key, label in LOADS:
         row(label, [_fmt_s(summaries[w]["load_s"].get(key)) for w in ws])
     lines.append(f"  (cold: {result.get('cold_method', '?')})")
