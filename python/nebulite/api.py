@@ -386,8 +386,12 @@ class Checkpoint:
                 records = flatten(obj, tag=self.tag, name=name, rank=s.rank, version=v.version)
                 if records.deferred:
                     s.pending.append(records)  # the sources stay alive until staged
-                # With an interval of 0 every checkpoint is persisted: start writing now.
-                persist_now = bool(s.root) and s.config.persistent_time_interval == 0
+                # With an interval of 0 every checkpoint is persisted: start writing now,
+                # unless more objects of this checkpoint follow (num_files): writing would
+                # compete with staging them for cores and memory bandwidth and lengthen the
+                # training stall; committing after the last one starts writing them all.
+                last = self.num_files <= 0 or len(v.names) + 1 >= self.num_files
+                persist_now = bool(s.root) and s.config.persistent_time_interval == 0 and last
                 s.engine.stage(self.tag, v.version, name, records.records, persist_now)
             except BaseException:
                 if created:  # nothing of this version was staged: forget it
