@@ -29,6 +29,22 @@ def _nebulite_env(monkeypatch):
         nebulite.api._reset_for_tests()
 
 
+@pytest.fixture(autouse=True, scope="session")
+def _deepspeed_shm_buffers():
+    """DeepSpeed's CPU collectives leave their shared-memory buffers in /dev/shm when a
+    process exits; remove the ones this test session created."""
+    shm = Path("/dev/shm")
+    pattern = "deepspeed_allreduce_buffer_*"
+    before = set(shm.glob(pattern)) if shm.is_dir() else set()
+    yield
+    if shm.is_dir():
+        for p in set(shm.glob(pattern)) - before:
+            try:
+                p.unlink()
+            except OSError:
+                pass
+
+
 @pytest.fixture
 def store(tmp_path):
     """A fresh persistent storage path (not created yet)."""
