@@ -201,6 +201,12 @@ def run_workload(runner: Runner, name: str, args: argparse.Namespace, work: str)
         loads[key] = r
 
     try:
+        # The machine's limits again, right before this workload's candidates: a shared
+        # disk drifts over a long run, and each workload is compared with its own.
+        probe = max(64 * MiB, min(GiB, estimated_bytes(name)) // (8 * MiB) * (8 * MiB))
+        print(f"{name}: machine limits ({probe // MiB} MiB probes)", flush=True)
+        families["limits"] = runner.run("worker", {"family": "limits", "dir": wdir, "memcpy_bytes": probe,
+                                                   "disk_bytes": probe})
         print(f"{name}: torch.save", flush=True)
         families["torch"] = runner.run("worker", dict(base, family="torch"), env)
         load("torch.load", {"path": families["torch"]["file"]})
