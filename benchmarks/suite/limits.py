@@ -1,8 +1,10 @@
 """The machine's own limits, which the candidates are compared with.
 
-- memcpy into warm memory (already touched: no page faults), with 1 and 2 threads (the C
-  library's memcpy, each thread copying its share): what staging a state into a
-  pre-faulted buffer can reach at best;
+- memcpy into warm memory (already touched: no page faults), with 1 and 2 threads, each
+  thread copying its share, the better of the C library's memcpy and a copy with
+  non-temporal (streaming) stores: what staging a state into a pre-faulted buffer can
+  reach at best (the C library streams only copies larger than a share of the last-level
+  cache, so the two differ on some machines);
 - sequential O_DIRECT write + fsync of the benchmark's disk (8 MiB writes, 1 and 4 in
   flight): what persisting can reach;
 - sequential O_DIRECT read of the same disk (1 MiB and 8 MiB reads into warm, aligned
@@ -14,6 +16,7 @@ disturbed by others).
 from __future__ import annotations
 
 import ctypes
+import math
 import mmap
 import os
 import threading
@@ -25,9 +28,17 @@ import torch
 MiB = 1 << 20
 
 
-def memcpy_bandwidth(nbytes: int, threads: int, reps: int = 5) -> float:
-    """Best-of-reps bytes/s of the C library's memcpy into a preallocated, touched buffer,
-    the work split evenly over `threads` threads (ctypes releases the GIL during the call)."""
+def memcpy_bandwidth(nbytes: int, threads: int, reps: int = 5, stores: str = "best") -> float:
+    """Best-of-reps bytes/s of a copy into a preallocated, touched buffer, the work split
+    evenly over `threads` threads (both copies release the GIL). stores: "libc" (the C
+    library's memcpy), "streaming" (non-temporal stores: nebulite's StreamCopy, where the
+    native module is built) or "best" (the better of the two)."""
+    if stores == "best":
+        kinds = ["libc"] + (["streaming"] if _stream_copy() else [])
+        return max(memcpy_bandwidth(nbytes, threads, reps, k) for k in kinds)
+    stream = _stream_copy() if stores == "streaming" else None
+    if stores == "streaming" and stream is None:
+        return float("nan")
     src = torch.empty(nbytes, dtype=torch.uint8)
     src.fill_(7)
     dst = torch.empty(nbytes, dtype=torch.uint8)
@@ -36,7 +47,10 @@ def memcpy_bandwidth(nbytes: int, threads: int, reps: int = 5) -> float:
     cuts = [(i * part, part if i < threads - 1 else nbytes - i * part) for i in range(threads)]
 
     def copy(off: int, n: int) -> None:
-        ctypes.memmove(dst.data_ptr() + off, src.data_ptr() + off, n)
+        if stream is not None:
+            stream(dst.data_ptr() + off, src.data_ptr() + off, n)
+        else:
+            ctypes.memmove(dst.data_ptr() + off, src.data_ptr() + off, n)
 
     best = float("inf")
     for _ in range(reps + 1):  # the first pass is a warm-up
@@ -48,6 +62,14 @@ def memcpy_bandwidth(nbytes: int, threads: int, reps: int = 5) -> float:
             w.join()
         best = min(best, time.perf_counter() - t0)
     return nbytes / best
+
+
+def _stream_copy() -> Callable[[int, int, int], None] | None:
+    try:
+        from nebulite import _core
+    except ImportError:
+        return None
+    return getattr(_core, "stream_copy", None)
 
 
 def _run_chunks(nchunks: int, depth: int, work: Callable[[int, mmap.mmap], None], chunk: int) -> None:
@@ -116,8 +138,11 @@ def odirect_read(path: str, depth: int, chunk: int = 8 * MiB) -> float:
 
 def measure(workdir: str, memcpy_bytes: int, disk_bytes: int, tries: int = 2) -> dict[str, float]:
     """All limits; bytes/s. O_DIRECT figures are NaN where the filesystem refuses O_DIRECT."""
-    out = {"memcpy_1thread_Bps": memcpy_bandwidth(memcpy_bytes, 1),
-           "memcpy_2threads_Bps": memcpy_bandwidth(memcpy_bytes, 2)}
+    out: dict[str, float] = {}
+    for threads, key in ((1, "memcpy_1thread"), (2, "memcpy_2threads")):
+        for stores in ("libc", "streaming"):
+            out[f"{key}_{stores}_Bps"] = memcpy_bandwidth(memcpy_bytes, threads, stores=stores)
+        out[f"{key}_Bps"] = max(v for k, v in out.items() if k.startswith(key + "_") and not math.isnan(v))
     path = os.path.join(workdir, "odirect.bin")
     try:
         for depth in (1, 4):

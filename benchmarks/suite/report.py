@@ -209,8 +209,15 @@ def table(result: dict[str, Any]) -> str:
     lines.append(f"  load average {m['loadavg_start']} at the start, {m['loadavg_end']} at the end; "
                  f"bench files on {m['bench_fs']}")
     def limits_text(x: dict[str, float]) -> str:
-        return (f"memcpy into warm memory {x['memcpy_1thread_Bps'] / GB:.1f} GB/s (1 thread), "
-                f"{x['memcpy_2threads_Bps'] / GB:.1f} GB/s (2 threads); O_DIRECT write+fsync "
+        def kinds(key: str) -> str:
+            libc, stream = x.get(f"{key}_libc_Bps"), x.get(f"{key}_streaming_Bps")
+            if libc is None or stream is None or math.isnan(stream):
+                return ""
+            return f": C library {libc / GB:.1f}, streaming stores {stream / GB:.1f}"
+
+        return (f"memcpy into warm memory {x['memcpy_1thread_Bps'] / GB:.1f} GB/s (1 thread"
+                f"{kinds('memcpy_1thread')}), {x['memcpy_2threads_Bps'] / GB:.1f} GB/s (2 threads"
+                f"{kinds('memcpy_2threads')}); O_DIRECT write+fsync "
                 f"{x['odirect_write_Bps'] / GB:.2f} GB/s, read {x['odirect_read_Bps'] / GB:.2f} GB/s")
 
     lines.append(f"machine limits (the better of start and end): {limits_text(lim)}")

@@ -71,6 +71,14 @@ void RegisterEngine(nb::module_& m) {
       "Copies n bytes with every core (GIL released).");
 
   m.def(
+      "stream_copy",
+      [](uintptr_t dst, uintptr_t src, uint64_t n) {
+        nb::gil_scoped_release release;
+        StreamCopy(reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n);
+      },
+      "Copies n bytes on the calling thread with non-temporal stores (GIL released).");
+
+  m.def(
       "copy_many",
       [](const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t>>& spans) {
         std::vector<CopySpan> v;

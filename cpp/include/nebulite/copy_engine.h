@@ -20,6 +20,10 @@ struct CopySpan {
   size_t size;
 };
 
+// memcpy with non-temporal stores for large sizes (plain memcpy below 256 KiB and on
+// CPUs without them); the bytes are visible to other threads when it returns.
+void StreamCopy(void* dst, const void* src, size_t n);
+
 class CopyEngine {
  public:
   // threads <= 0: the number of online CPUs.
@@ -29,7 +33,9 @@ class CopyEngine {
   CopyEngine& operator=(const CopyEngine&) = delete;
 
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
-  void Copy(const std::vector<CopySpan>& spans);
+  // bypass_caches: large pieces are copied with StreamCopy (the destination is not read
+  // again soon); false when the caller reads the destination right after (e.g. a CRC).
+  void Copy(const std::vector<CopySpan>& spans, bool bypass_caches = true);
   // Runs fn(i) for i in [0, n) on the pool and the calling thread.
   void ParallelFor(size_t n, const std::function<void(size_t)>& fn);
 

@@ -3,11 +3,56 @@
 #include <algorithm>
 #include <cstring>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <emmintrin.h>
+#define NEBULITE_STREAM_STORES 1
+#endif
+
 namespace nebulite {
 namespace {
-constexpr size_t kPiece = 4ull << 20;   // bytes per unit of work
-constexpr size_t kInline = 1ull << 20;  // below this, copy on the calling thread
+constexpr size_t kPiece = 4ull << 20;     // bytes per unit of work
+constexpr size_t kInline = 1ull << 20;    // below this, copy on the calling thread
+constexpr size_t kStream = 256ull << 10;  // from this size on, bypass the caches
+
 }  // namespace
+
+// The C library's memcpy switches to non-temporal stores only for copies larger than a
+// fraction of the last-level cache (hundreds of MiB on large parts), and the pieces of
+// a staging copy are far smaller; a checkpoint's destination is not read again by this
+// core soon, so caching it only evicts the training's working set and costs a
+// read-for-ownership of every destination line. Streaming stores write it straight to
+// memory: on a 2-vCPU EPYC, 15 GB/s with memcpy per 4 MiB piece, against the 20 GB/s
+// that memcpy of one large block per thread reaches (profile_save.py, step 2).
+void StreamCopy(void* dst, const void* src, size_t n) {
+#ifdef NEBULITE_STREAM_STORES
+  if (n < kStream) {
+    std::memcpy(dst, src, n);
+    return;
+  }
+  auto* d = static_cast<uint8_t*>(dst);
+  const auto* s = static_cast<const uint8_t*>(src);
+  size_t head = (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63;
+  std::memcpy(d, s, head);
+  d += head;
+  s += head;
+  n -= head;
+  size_t body = n & ~size_t{63};
+  for (size_t off = 0; off < body; off += 64) {
+    __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off));
+    __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off + 16));
+    __m128i c = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off + 32));
+    __m128i e = _mm_loadu_si128(reinterpret_cast<const __m128i*>(s + off + 48));
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + off), a);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + off + 16), b);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + off + 32), c);
+    _mm_stream_si128(reinterpret_cast<__m128i*>(d + off + 48), e);
+  }
+  std::memcpy(d + body, s + body, n - body);
+  _mm_sfence();  // streaming stores are weakly ordered: make them visible before returning
+#else
+  std::memcpy(dst, src, n);
+#endif
+}
 
 CopyEngine::CopyEngine(int threads) {
   if (threads <= 0) threads = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
@@ -66,7 +111,7 @@ void CopyEngine::ParallelFor(size_t n, const std::function<void(size_t)>& fn) {
   job_ = nullptr;
 }
 
-void CopyEngine::Copy(const std::vector<CopySpan>& spans) {
+void CopyEngine::Copy(const std::vector<CopySpan>& spans, bool bypass_caches) {
   size_t total = 0;
   for (const auto& s : spans) total += s.size;
   if (total <= kInline || workers_.empty()) {
@@ -87,8 +132,13 @@ void CopyEngine::Copy(const std::vector<CopySpan>& spans) {
           {static_cast<uint8_t*>(s.dst) + off, static_cast<const uint8_t*>(s.src) + off, n});
     }
   }
-  ParallelFor(pieces.size(),
-              [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].size); });
+  if (bypass_caches) {
+    ParallelFor(pieces.size(),
+                [&](size_t i) { StreamCopy(pieces[i].dst, pieces[i].src, pieces[i].size); });
+  } else {
+    ParallelFor(pieces.size(),
+                [&](size_t i) { std::memcpy(pieces[i].dst, pieces[i].src, pieces[i].size); });
+  }
 }
 
 }  // namespace nebulite

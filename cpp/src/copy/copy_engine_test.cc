@@ -67,5 +67,31 @@ TEST(CopyEngineTest, SingleThreadEngineStillCopies) {
   EXPECT_EQ(dst, src);
 }
 
+TEST(CopyEngineTest, StreamCopyHandlesEveryAlignmentAndTail) {
+  // Large enough for the streaming path; odd offsets exercise the unaligned head and
+  // the tail shorter than one 64-byte line.
+  auto src = Pattern((1 << 20) + 333, 5);
+  for (size_t shift : {0, 1, 15, 63}) {
+    for (size_t n : {size_t{300 << 10}, (size_t{1} << 20) + 7, (size_t{256} << 10) + 63}) {
+      std::vector<uint8_t> dst(n + 64, 0xAB);
+      StreamCopy(dst.data() + shift, src.data() + 3, n);
+      EXPECT_TRUE(std::equal(dst.begin() + shift, dst.begin() + shift + n, src.begin() + 3))
+          << "shift " << shift << " n " << n;
+      EXPECT_EQ(dst[shift + n], 0xAB);  // nothing written past the end
+      if (shift > 0) EXPECT_EQ(dst[shift - 1], 0xAB);
+    }
+  }
+}
+
+TEST(CopyEngineTest, CopyWithAndWithoutBypassingCachesIsExact) {
+  CopyEngine engine(2);
+  auto src = Pattern((9 << 20) + 11, 3);
+  for (bool bypass : {true, false}) {
+    std::vector<uint8_t> dst(src.size(), 0);
+    engine.Copy({{dst.data(), src.data(), src.size()}}, bypass);
+    EXPECT_EQ(dst, src) << "bypass " << bypass;
+  }
+}
+
 }  // namespace
 }  // namespace nebulite

@@ -37,7 +37,7 @@ Result<ManifestFile> StreamToFile(Storage* storage, const std::string& path,
                          static_cast<const uint8_t*>(records[i].data) + (p0 - place[i].data_offset),
                          p1 - p0});
     }
-    copy.Copy(spans);
+    copy.Copy(spans, /*bypass_caches=*/false);  // the CRC below reads it back at once
     for (size_t i = first; i < place.size() && place[i].header_offset < w1; ++i) {
       uint64_t p0 = std::max(w0, place[i].data_offset),
                p1 = std::min(w1, place[i].data_offset + place[i].size);
