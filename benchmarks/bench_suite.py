@@ -201,6 +201,12 @@ def run_workload(runner: Runner, name: str, args: argparse.Namespace, work: str)
         loads[key] = r
 
     try:
+        # The machine's limits again, right before this workload's candidates: a shared
+        # disk drifts over a long run, and each workload is compared with its own.
+        probe = max(64 * MiB, min(GiB, estimated_bytes(name)) // (8 * MiB) * (8 * MiB))
+        print(f"{name}: machine limits ({probe // MiB} MiB probes)", flush=True)
+        families["limits"] = runner.run("worker", {"family": "limits", "dir": wdir, "memcpy_bytes": probe,
+                                                   "disk_bytes": probe})
         print(f"{name}: torch.save", flush=True)
         families["torch"] = runner.run("worker", dict(base, family="torch"), env)
         load("torch.load", {"path": families["torch"]["file"]})
@@ -231,6 +237,23 @@ def run_workload(runner: Runner, name: str, args: argparse.Namespace, work: str)
     return families, loads, cold
 
 
+def rereport(path: str, no_plot: bool) -> int:
+    """The table, targets and plot of a result file, derived again from its measurements."""
+    with open(path) as f:
+        result = json.load(f)
+    result["targets"] = report.targets({w: s for w, s in result["summaries"].items() if not s.get("skipped")},
+                                       result["limits"], result.get("train"))
+    text = report.table(result)
+    print(text)
+    base = os.path.splitext(path)[0]
+    with open(base + ".txt", "w") as f:
+        f.write(text + "\n")
+    if not no_plot:
+        report.plot(result, base + ".png")
+    print(f"\nrewrote {os.path.relpath(base)}.txt" + ("" if no_plot else " and .png"))
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description="nebulite benchmark suite (see benchmarks/README.md)")
     ap.add_argument("--workloads", default=None,
@@ -257,7 +280,11 @@ def main() -> int:
     ap.add_argument("--train-seq", type=int, default=64)
     ap.add_argument("--no-plot", action="store_true")
     ap.add_argument("--verbose", action="store_true", help="show the workers' own output")
+    ap.add_argument("--report", metavar="JSON", default=None,
+                    help="measure nothing: print the table and redraw the plot of a result file")
     args = ap.parse_args()
+    if args.report:
+        return rereport(args.report, args.no_plot)
 
     if args.smoke:
         names = ["syn-tiny"]

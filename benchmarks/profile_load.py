@@ -6,18 +6,18 @@
 Saves one workload with nebulite (embedded engine; `--retention` checkpoints kept, as a
 training job leaves them), then times, each from a cold page cache:
   1. the disk's limit: O_DIRECT read of the newest checkpoint's data files into warm buffers;
-  2. get_latest_checkpoint(persist_path=...) alone: finding the newest intact checkpoint,
-     which reads and checks the CRC-32 of its files (and of any other it verifies);
-  3. Checkpoint.load() of every object, right after 2 (the files are then in the page cache):
-     split into reading the payloads (read_into) and everything else (unpickling, allocation);
-  4. Checkpoint.load() with a cold page cache and no verification pass before it;
-  5. the parts of a payload read: page faults of fresh memory (allocate + touch), and
+  2. what a restarted trainer sees: get_latest_checkpoint + load() in a fresh process;
+  3. get_latest_checkpoint(persist_path=...) alone, in this process: finding the newest
+     intact checkpoint, which reads its files and checks their CRC-32;
+  4. Checkpoint.load() of every object right after 3, split into reading payloads
+     (read_into) and everything else (unpickling, allocation);
+  5. Checkpoint.load() with a cold page cache and no get_latest_checkpoint before it;
+  6. the parts of a payload read: page faults of fresh memory (allocate + touch), and
      copying cached file bytes into warm memory (pread), into fresh memory, and into fresh
-     memory advised to use huge pages;
-  6. what a restarted trainer sees: get_latest_checkpoint + load() in a fresh process, cold.
-Steps 2-5 run in this process, whose allocator and page tables are warm by then; a fresh
-process (6) may differ (on a virtual machine that returns freed memory to its host, huge
-pages were fast here and slow in fresh processes).
+     memory advised to use huge pages.
+Steps 3-6 run in this process, whose allocator is warm by then; a fresh process (2) may
+differ: on a virtual machine that returns freed memory to its host, memory freed a moment
+ago is slow to touch again, and huge pages were fast here but slow in fresh processes.
 Run it before and after a change to the load path; keep its output with the change.
 """
 
@@ -134,8 +134,20 @@ def main() -> int:
                   lambda: [limits.odirect_read(p, depth) for p in files], file_bytes, rows)
             cold()
 
+        cold()
+        code = ("import sys, time, nebulite as nm\n"
+                "nm.get_latest_checkpoint  # the API is imported on first use: not timed\n"
+                "t0 = time.perf_counter(); ck = nm.get_latest_checkpoint(persist_path=sys.argv[1])\n"
+                "t1 = time.perf_counter(); x = {n: ck.load(n) for n in ck.list_names()}\n"
+                "print(t1 - t0, time.perf_counter() - t1)\n")
+        out = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, check=True)
+        find_s, load_s = (float(x) for x in out.stdout.split())
+        rows.append(("2. fresh process, cold: get_latest_checkpoint + load()", find_s + load_s, nbytes))
+        print(f"  {'2. fresh process, cold: get_latest_checkpoint + load()':62s}{find_s + load_s:8.3f} s "
+              f"{nbytes / (find_s + load_s) / GB:8.2f} GB/s (find {find_s:.3f} s, load {load_s:.3f} s)")
+        cold()
         nm_api._verified.clear()
-        ck = timed("2. get_latest_checkpoint (verifies CRCs), cold", lambda: nm.get_latest_checkpoint(persist_path=root),
+        ck = timed("3. get_latest_checkpoint (verifies CRCs), cold", lambda: nm.get_latest_checkpoint(persist_path=root),
                    nbytes, rows)
         # 3: load right after verification, with the payload reads timed apart.
         reads = [0.0]
@@ -148,7 +160,7 @@ def main() -> int:
 
         nm_api._core.StoredArchive.read_into = read_into
         try:
-            loaded = timed("3. load() of every object after 2 (page cache warm)",
+            loaded = timed("4. load() of every object after 3",
                            lambda: {n: ck.load(n) for n in names}, nbytes, rows)
             rows.append(("   of which payload reads (read_into)", reads[0], nbytes))
             print(f"     {'of which payload reads (read_into)':60s}{reads[0]:8.3f} s")
@@ -156,7 +168,7 @@ def main() -> int:
             gc.collect()
             cold()
             reads[0] = 0.0
-            loaded = timed("4. load() of every object, cold, no verification before",
+            loaded = timed("5. load() of every object, cold, no verification before",
                            lambda: {n: ck.load(n) for n in names}, nbytes, rows)
             rows.append(("   of which payload reads (read_into)", reads[0], nbytes))
             print(f"     {'of which payload reads (read_into)':60s}{reads[0]:8.3f} s")
@@ -165,28 +177,18 @@ def main() -> int:
         finally:
             nm_api._core.StoredArchive.read_into = orig
 
-        timed("5a. allocate and touch fresh memory (page faults)",
+        timed("6a. allocate and touch fresh memory (page faults)",
               lambda: [fresh(os.path.getsize(p)).fill_(1) for p in files], file_bytes, rows)
-        timed("5b. ... with huge pages advised (MADV_HUGEPAGE)",
+        timed("6b. ... with huge pages advised (MADV_HUGEPAGE)",
               lambda: [fresh_huge(os.path.getsize(p)).fill_(1) for p in files], file_bytes, rows)
         warm = torch.empty(max(os.path.getsize(p) for p in files), dtype=torch.uint8)
         warm.fill_(0)
         pread_all(files, fresh)  # make the files cached
-        timed("5c. pread of cached files into warm memory", lambda: pread_all(files, lambda n: warm[:n]),
+        timed("6c. pread of cached files into warm memory", lambda: pread_all(files, lambda n: warm[:n]),
               file_bytes, rows)
-        timed("5d. pread of cached files into fresh memory", lambda: pread_all(files, fresh), file_bytes, rows)
-        timed("5e. pread of cached files into fresh memory, huge pages", lambda: pread_all(files, fresh_huge),
+        timed("6d. pread of cached files into fresh memory", lambda: pread_all(files, fresh), file_bytes, rows)
+        timed("6e. pread of cached files into fresh memory, huge pages", lambda: pread_all(files, fresh_huge),
               file_bytes, rows)
-        cold()
-        code = ("import sys, time, nebulite as nm\n"
-                "t0 = time.perf_counter(); ck = nm.get_latest_checkpoint(persist_path=sys.argv[1])\n"
-                "t1 = time.perf_counter(); x = {n: ck.load(n) for n in ck.list_names()}\n"
-                "print(t1 - t0, time.perf_counter() - t1)\n")
-        out = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, check=True)
-        find_s, load_s = (float(x) for x in out.stdout.split())
-        rows.append(("6. fresh process, cold: get_latest_checkpoint + load()", find_s + load_s, nbytes))
-        print(f"  {'6. fresh process, cold: get_latest_checkpoint + load()':62s}{find_s + load_s:8.3f} s "
-              f"{nbytes / (find_s + load_s) / GB:8.2f} GB/s (find {find_s:.3f} s, load {load_s:.3f} s)")
         print(f"machine: {os.cpu_count()} CPUs, load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     finally:
         shutil.rmtree(work, ignore_errors=True)

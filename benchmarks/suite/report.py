@@ -51,7 +51,11 @@ def summarize(families: dict[str, Any], loads: dict[str, Any]) -> dict[str, Any]
     s: dict[str, Any] = {"blocking_s": {}, "staged_s": {}, "committed_s": {}, "load_s": {},
                          "memory_beyond_bytes": {}, "memory_peak_bytes": {}}
     state = None
-    for fam in families.values():
+    if "limits" in families:
+        s["limits"] = families["limits"]
+    for name, fam in families.items():
+        if name == "limits":
+            continue
         state = state or fam.get("state")
         for key, _ in SAVES:
             figures = fam.get(key)
@@ -82,6 +86,12 @@ def summarize(families: dict[str, Any], loads: dict[str, Any]) -> dict[str, Any]
     return s
 
 
+def persistence_bandwidth(nbytes: int, blocking_s: float, committed_s: float) -> float:
+    """Bytes per second from the end of the save (the last object staged: writing starts
+    then) until the checkpoint is committed (data and manifest fsynced, marker written)."""
+    return nbytes / (committed_s - blocking_s)
+
+
 def _ratio_text(x: float) -> str:
     if x >= 1:
         return f"{x:.2f}x"
@@ -103,6 +113,9 @@ def targets(summaries: dict[str, dict[str, Any]], limits: dict[str, float],
                      "met": ok if applies else None, "ratio": text, "applies": applies})
 
     for w, s in summaries.items():
+        # Each workload against the limits measured right before it (else the run's).
+        wl = s.get("limits") or limits
+        mc2, odw, odr = wl["memcpy_2threads_Bps"], wl["odirect_write_Bps"], wl["odirect_read_Bps"]
         big = s["state_bytes"] >= GiB
         n = s["state_bytes"]
         blk, stg, com = s["blocking_s"], s["staged_s"], s["committed_s"]
@@ -141,9 +154,9 @@ def targets(summaries: dict[str, dict[str, Any]], limits: dict[str, float],
                 add("staging >= 70% of 2-thread memcpy", who, w, bw, 0.7 * mc2, bw >= 0.7 * mc2,
                     f"{bw / mc2:.0%}")
         for who in NEBULITE:
-            c = com.get(who)
-            if c:
-                bw = n / c
+            c, b = com.get(who), blk.get(who)
+            if c and b is not None and c > b:
+                bw = persistence_bandwidth(n, b, c)
                 add("persistence >= 80% of O_DIRECT write", who, w, bw, 0.8 * odw, bw >= 0.8 * odw,
                     f"{bw / odw:.0%}")
         ld = s["load_s"].get("nebulite store")
@@ -223,6 +236,11 @@ def table(result: dict[str, Any]) -> str:
     row("nebulite memory budget (GB)", [_fmt_gb(summaries[w].get("nebulite_memory_budget")) for w in ws])
     reps = result["args"]["reps"]
     lines.append("")
+    head("machine limits before the workload, GB/s")
+    for key, label in (("memcpy_2threads_Bps", "memcpy into warm memory, 2 threads"),
+                       ("odirect_write_Bps", "O_DIRECT write + fsync"), ("odirect_read_Bps", "O_DIRECT read")):
+        row(label, [_fmt_gb(summaries[w].get("limits", {}).get(key)) for w in ws])
+    lines.append("")
     head(f"blocking time per save, s (median of {reps})")
     for key, label in SAVES:
         row(label, [_fmt_s(summaries[w]["blocking_s"].get(key)) for w in ws])
@@ -244,13 +262,20 @@ def table(result: dict[str, Any]) -> str:
     head("bandwidth, GB/s (state / time)")
     row("nebulite staging (embedded, blocking)",
         [_fmt_gb(_div(summaries[w]["state_bytes"], summaries[w]["blocking_s"].get("nebulite"))) for w in ws])
-    row("nebulite persistence (embedded, committed)",
+    def persist(w: str, who: str) -> float | None:
+        b, c = summaries[w]["blocking_s"].get(who), summaries[w]["committed_s"].get(who)
+        return persistence_bandwidth(summaries[w]["state_bytes"], b, c) if b is not None and c and c > b else None
+
+    row("nebulite persistence, embedded (1)", [_fmt_gb(persist(w, "nebulite")) for w in ws])
+    row("nebulite persistence, agent (1)", [_fmt_gb(persist(w, "nebulite agent")) for w in ws])
+    row("nebulite save start to committed, embedded",
         [_fmt_gb(_div(summaries[w]["state_bytes"], summaries[w]["committed_s"].get("nebulite"))) for w in ws])
     row("torch.save + fsync",
         [_fmt_gb(_div(summaries[w]["state_bytes"], summaries[w]["committed_s"].get("torch.save+fsync")))
          for w in ws])
     row("nebulite load from store (cold)",
         [_fmt_gb(_div(summaries[w]["state_bytes"], summaries[w]["load_s"].get("nebulite store"))) for w in ws])
+    lines.append("  (1) from the end of the save (writing starts when its last object is staged) to committed")
     lines.append("")
     head(f"load, s (median of {result['args'].get('load_reps', 1)}, fresh processes)")
     for key, label in LOADS:
@@ -318,62 +343,86 @@ def plot(result: dict[str, Any], path: str) -> None:
 
     summaries = {w: s for w, s in result["summaries"].items() if not s.get("skipped")}
     ws = list(summaries)
-    fig, axes = plt.subplots(2, 3, figsize=(18, 10))
+    fig, axes = plt.subplots(2, 3, figsize=(19, 11))
     fig.suptitle(f"nebulite benchmark suite, {result['machine']['date']}: {result['machine']['description']}",
                  fontsize=10)
+    cmap = plt.get_cmap("tab20")
+    colors = {k: cmap(i) for i, k in enumerate([k for k, _ in SAVES] + [k for k, _ in LOADS])}
+    colors.update({"staging": "tab:blue", "persistence": "tab:orange", "load": "tab:green"})
 
-    def bars(ax: Any, series: list[tuple[str, list[float | None]]], title: str, ylabel: str,
+    def bars(ax: Any, series: list[tuple[str, str, list[float | None]]], title: str, ylabel: str,
              log: bool = False) -> None:
         width = 0.8 / max(1, len(series))
-        for i, (label, vals) in enumerate(series):
+        for i, (key, label, vals) in enumerate(series):
             xs = [j + i * width for j in range(len(ws))]
-            ax.bar(xs, [v if v is not None else 0 for v in vals], width, label=label)
+            ax.bar(xs, [v if v is not None else 0 for v in vals], width, label=label, color=colors.get(key))
         ax.set_xticks([j + 0.4 - width / 2 for j in range(len(ws))])
         ax.set_xticklabels(ws, fontsize=8)
         ax.set_title(title, fontsize=10)
         ax.set_ylabel(ylabel)
         if log:
             ax.set_yscale("log")
-        ax.legend(fontsize=6)
+        ax.legend(fontsize=6, loc="upper left", ncol=2, framealpha=0.7)
+        ax.margins(y=0.35 if not log else 0.0)
+        if log:
+            lo, hi = ax.get_ylim()
+            ax.set_ylim(lo, hi * 30)  # room for the legend above the bars
 
-    def series(field: str, keys: list[tuple[str, str]]) -> list[tuple[str, list[float | None]]]:
-        return [(label, [summaries[w][field].get(k) for w in ws]) for k, label in keys
+    def series(field: str, keys: list[tuple[str, str]]) -> list[tuple[str, str, list[float | None]]]:
+        return [(k, label, [summaries[w][field].get(k) for w in ws]) for k, label in keys
                 if any(summaries[w][field].get(k) is not None for w in ws)]
 
     bars(axes[0][0], series("blocking_s", SAVES), "blocking time per save (training stall)", "s", log=True)
     bars(axes[0][1], series("committed_s", [k for k in SAVES if k[0] != "torch.save"]),
          "time until committed (durable)", "s", log=True)
-    bars(axes[0][2], series("load_s", [k for k in LOADS if k[0] != "nebulite store find"]), "load time", "s",
-         log=True)
-    mem = [(label, [(summaries[w]["memory_beyond_bytes"].get(k) or 0) / max(1, summaries[w]["state_bytes"])
-                    if summaries[w]["memory_beyond_bytes"].get(k) is not None else None for w in ws])
+    bars(axes[0][2], series("load_s", [k for k in LOADS if k[0] != "nebulite store find"]),
+         "load time (cold from disk, or from nebulite's memory tier)", "s", log=True)
+    mem = [(k, label, [summaries[w]["memory_beyond_bytes"][k] / max(1, summaries[w]["state_bytes"])
+                       if k in summaries[w]["memory_beyond_bytes"] else None for w in ws])
            for k, label in MEMORY]
-    bars(axes[1][0], mem, "peak memory beyond the model (PSS) / state size", "x state")
+    bars(axes[1][0], mem, "peak memory beyond the model (PSS) / state size (target: 1.1)", "x state")
     axes[1][0].axhline(1.1, color="k", lw=0.8, ls="--")
 
     lim = result["limits"]
 
-    def frac(w: str, num: float | None, limit: float) -> float | None:
+    def frac(num: float | None, limit: float) -> float | None:
         return num / limit if num and limit and not math.isnan(limit) else None
 
+    def bw(w: str, field: str, key: str) -> float | None:
+        return _div(summaries[w]["state_bytes"], summaries[w][field].get(key))
+
+    def wl(w: str, key: str) -> float:
+        return (summaries[w].get("limits") or lim)[key]
+
     limits_series = [
-        ("staging / 2-thread memcpy", [frac(w, _div(summaries[w]["state_bytes"], summaries[w]["blocking_s"].get("nebulite")), lim["memcpy_2threads_Bps"]) for w in ws]),
-        ("persistence / O_DIRECT write", [frac(w, _div(summaries[w]["state_bytes"], summaries[w]["committed_s"].get("nebulite")), lim["odirect_write_Bps"]) for w in ws]),
-        ("load from store / O_DIRECT read", [frac(w, _div(summaries[w]["state_bytes"], summaries[w]["load_s"].get("nebulite store")), lim["odirect_read_Bps"]) for w in ws]),
+        ("staging", "staging / 2-thread memcpy (target 0.7)",
+         [frac(bw(w, "blocking_s", "nebulite"), wl(w, "memcpy_2threads_Bps")) for w in ws]),
+        ("persistence", "persistence / O_DIRECT write (target 0.8)",
+         [frac(persistence_bandwidth(summaries[w]["state_bytes"], summaries[w]["blocking_s"]["nebulite"],
+                                     summaries[w]["committed_s"]["nebulite"])
+               if "nebulite" in summaries[w]["committed_s"] else None, wl(w, "odirect_write_Bps"))
+          for w in ws]),
+        ("load", "load from store / O_DIRECT read (target 0.8)",
+         [frac(bw(w, "load_s", "nebulite store"), wl(w, "odirect_read_Bps")) for w in ws]),
     ]
-    bars(axes[1][1], limits_series, "nebulite against the machine's limits", "fraction of the limit")
+    bars(axes[1][1], limits_series, "nebulite (embedded) against the machine's limits", "fraction of the limit")
     for y in (0.7, 0.8):
         axes[1][1].axhline(y, color="k", lw=0.8, ls="--")
 
     ax = axes[1][2]
     train = result.get("train")
     if train:
-        labels = [v["variant"] for v in train["variants"]]
-        ax.bar(range(len(labels)), [v["steps_per_s"] for v in train["variants"]])
-        ax.set_xticks(range(len(labels)))
-        ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
-        ax.set_title(f"training {train['workload']}: a checkpoint every {train['every']} steps", fontsize=10)
-        ax.set_ylabel("steps/s")
+        vs = [v for v in train["variants"] if v["variant"] != "none"]
+        ax.bar(range(len(vs)), [100 * (v.get("relative_to_none") or 0) for v in vs],
+               color=[colors.get({"dcp.async_save": "dcp.async_save+stager",
+                                  "torch.save": "torch.save"}.get(v["variant"], v["variant"])) for v in vs])
+        ax.axhline(95, color="k", lw=0.8, ls="--")
+        ax.set_xticks(range(len(vs)))
+        ax.set_xticklabels([v["variant"] for v in vs], rotation=20, ha="right", fontsize=8)
+        ax.set_ylim(0, 110)
+        ax.set_title(f"training {train['workload']}, a checkpoint every {train['every']} steps\n"
+                     "steps/s relative to no checkpointing (target 95%)", fontsize=10)
+        ax.set_ylabel("% of the steps/s without checkpoints")
     else:
         ax.axis("off")
     fig.tight_layout()

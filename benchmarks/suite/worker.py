@@ -14,6 +14,8 @@ seed: the candidates save the same bytes, and memory is not shared between them.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import gc
 import json
 import os
@@ -35,6 +37,13 @@ def arena_bytes(state_bytes: int, factor: float) -> int:
     """nebulite's memory budget for a state: `factor` times its size plus room for the
     archive headers and 4 KiB alignment of every tensor, in whole MiB."""
     return (int(state_bytes * factor) + 16 * MiB + MiB - 1) // MiB * MiB
+
+
+def _malloc_trim() -> None:
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _rm(path: str) -> None:
@@ -257,6 +266,10 @@ def main() -> int:
     state, optimizer = workloads.build(spec["workload"])
     held: dict[str, Any] = {"state": state, "optimizer": optimizer}
     del state, optimizer
+    # Hand what building the state freed back to the system, so that the memory baseline
+    # does not include it (it would hide as much of a candidate's own memory).
+    gc.collect()
+    _malloc_trim()
     info = workloads.describe(held["state"])
     info["build_s"] = time.perf_counter() - t0
     link.progress(f"  {family}: state built ({info['bytes'] / 1e9:.2f} GB, {info['tensors']} tensors, "
