@@ -275,7 +275,7 @@ def main() -> int:
     ap.add_argument("--train-workload", default=None, help="model of the training run (gpt2-124m)")
     ap.add_argument("--ckpt-every", type=int, default=10, help="a checkpoint every N steps (10)")
     ap.add_argument("--train-rounds", type=int, default=None,
-                    help="rounds of N steps per variant, variants taking turns (3)")
+                    help="rounds of N steps per variant, variants taking turns (5)")
     ap.add_argument("--train-batch", type=int, default=2)
     ap.add_argument("--train-seq", type=int, default=64)
     ap.add_argument("--no-plot", action="store_true")
@@ -309,7 +309,7 @@ def main() -> int:
     args.reps = args.reps or 3
     args.load_reps = args.load_reps or (2 if args.quick else 3)
     args.train_workload = args.train_workload or "gpt2-124m"
-    args.train_rounds = args.train_rounds or 3
+    args.train_rounds = args.train_rounds or 5
 
     os.makedirs(args.dir, exist_ok=True)
     os.makedirs(args.out, exist_ok=True)

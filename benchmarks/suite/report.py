@@ -415,7 +415,8 @@ def plot(result: dict[str, Any], path: str) -> None:
         vs = [v for v in train["variants"] if v["variant"] != "none"]
         ax.bar(range(len(vs)), [100 * (v.get("relative_to_none") or 0) for v in vs],
                color=[colors.get({"dcp.async_save": "dcp.async_save+stager",
-                                  "torch.save": "torch.save"}.get(v["variant"], v["variant"])) for v in vs])
+                                  "torch.save": "torch.save"}.get(v["variant"], v["variant"]))
+                      or cmap(19 - i) for i, v in enumerate(vs)])
         ax.axhline(95, color="k", lw=0.8, ls="--")
         ax.set_xticks(range(len(vs)))
         ax.set_xticklabels([v["variant"] for v in vs], rotation=20, ha="right", fontsize=8)

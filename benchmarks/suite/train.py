@@ -10,7 +10,8 @@ Each segment starts after one untimed checkpoint: the steady state of a long job
 
 Variants: no checkpointing, torch.save, DCP async_save (DCP's own stager, cached across
 saves; each save first waits for the previous one, as DCP asks), nebulite with the
-embedded engine and asynchronous staging, and nebulite with the node agent. Setting up a
+embedded engine and asynchronous staging, and nebulite with the node agent (synchronous
+staging, the default, and asynchronous staging). Setting up a
 variant (init, pre-faulting the memory tier, starting the agent) is not timed: a job does
 that once, long before its first checkpoint.
 """
@@ -33,7 +34,8 @@ from .worker import arena_bytes
 #: Agents started by this run (stopped at its end, by pid).
 AGENTS: set[int] = set()
 
-VARIANTS = ["none", "torch.save", "dcp.async_save", "nebulite async staging", "nebulite agent"]
+VARIANTS = ["none", "torch.save", "dcp.async_save", "nebulite async staging", "nebulite agent",
+            "nebulite agent, async staging"]
 
 
 class Checkpointer:
@@ -102,13 +104,13 @@ def checkpointer(variant: str, model: torch.nn.Module, opt: torch.optim.Optimize
             _keep_last(dirs, 0)
 
         return Checkpointer(save, wait, close)
-    if variant in ("nebulite async staging", "nebulite agent"):
+    if variant in ("nebulite async staging", "nebulite agent", "nebulite agent, async staging"):
         import nebulite as nm
 
-        agent = variant == "nebulite agent"
+        agent = variant.startswith("nebulite agent")
         root = os.path.join(d, "nebulite-agent" if agent else "nebulite")
         nm.init(root, persistent_time_interval=0, num_of_version_in_retention=2,
-                memory_buffer_size=memory, agent=agent, async_staging=not agent,
+                memory_buffer_size=memory, agent=agent, async_staging=variant.endswith("async staging"),
                 agent_idle_exit=3600)
         engine = getattr(getattr(nm.api, "_session", None), "engine", None)
         if hasattr(engine, "wait_prefaulted"):
