@@ -3,7 +3,7 @@
 #include <algorithm>
 #include <cstring>
 
-#if defined(__x86_64__) || defined(__i386__)
+#if defined(__x86_64__)  // SSE2 is part of the x86-64 baseline
 #include <emmintrin.h>
 #define NEBULITE_STREAM_STORES 1
 #endif
