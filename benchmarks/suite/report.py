@@ -86,10 +86,14 @@ def summarize(families: dict[str, Any], loads: dict[str, Any]) -> dict[str, Any]
     return s
 
 
-def persistence_bandwidth(nbytes: int, blocking_s: float, committed_s: float) -> float:
-    """Bytes per second from the end of the save (the last object staged: writing starts
-    then) until the checkpoint is committed (data and manifest fsynced, marker written)."""
-    return nbytes / (committed_s - blocking_s)
+def persistence_bandwidth(summary: dict[str, Any], who: str) -> float | None:
+    """Bytes per second of `who` from the end of the save (the last object staged: writing
+    starts then) until the checkpoint is committed (data and manifest fsynced, marker
+    written); None where either time is missing."""
+    b, c = summary["blocking_s"].get(who), summary["committed_s"].get(who)
+    if b is None or not c or c <= b:
+        return None
+    return summary["state_bytes"] / (c - b)
 
 
 def _ratio_text(x: float) -> str:
@@ -118,7 +122,7 @@ def targets(summaries: dict[str, dict[str, Any]], limits: dict[str, float],
         mc2, odw, odr = wl["memcpy_2threads_Bps"], wl["odirect_write_Bps"], wl["odirect_read_Bps"]
         big = s["state_bytes"] >= GiB
         n = s["state_bytes"]
-        blk, stg, com = s["blocking_s"], s["staged_s"], s["committed_s"]
+        blk, stg = s["blocking_s"], s["staged_s"]
         ts = blk.get("torch.save+fsync")
         for who in NEBULITE:
             b = blk.get(who)
@@ -154,9 +158,8 @@ def targets(summaries: dict[str, dict[str, Any]], limits: dict[str, float],
                 add("staging >= 70% of 2-thread memcpy", who, w, bw, 0.7 * mc2, bw >= 0.7 * mc2,
                     f"{bw / mc2:.0%}")
         for who in NEBULITE:
-            c, b = com.get(who), blk.get(who)
-            if c and b is not None and c > b:
-                bw = persistence_bandwidth(n, b, c)
+            bw = persistence_bandwidth(s, who)
+            if bw is not None:
                 add("persistence >= 80% of O_DIRECT write", who, w, bw, 0.8 * odw, bw >= 0.8 * odw,
                     f"{bw / odw:.0%}")
         ld = s["load_s"].get("nebulite store")
@@ -262,12 +265,9 @@ def table(result: dict[str, Any]) -> str:
     head("bandwidth, GB/s (state / time)")
     row("nebulite staging (embedded, blocking)",
         [_fmt_gb(_div(summaries[w]["state_bytes"], summaries[w]["blocking_s"].get("nebulite"))) for w in ws])
-    def persist(w: str, who: str) -> float | None:
-        b, c = summaries[w]["blocking_s"].get(who), summaries[w]["committed_s"].get(who)
-        return persistence_bandwidth(summaries[w]["state_bytes"], b, c) if b is not None and c and c > b else None
-
-    row("nebulite persistence, embedded (1)", [_fmt_gb(persist(w, "nebulite")) for w in ws])
-    row("nebulite persistence, agent (1)", [_fmt_gb(persist(w, "nebulite agent")) for w in ws])
+    row("nebulite persistence, embedded (1)", [_fmt_gb(persistence_bandwidth(summaries[w], "nebulite")) for w in ws])
+    row("nebulite persistence, agent (1)",
+        [_fmt_gb(persistence_bandwidth(summaries[w], "nebulite agent")) for w in ws])
     row("nebulite save start to committed, embedded",
         [_fmt_gb(_div(summaries[w]["state_bytes"], summaries[w]["committed_s"].get("nebulite"))) for w in ws])
     row("torch.save + fsync",
@@ -398,10 +398,7 @@ def plot(result: dict[str, Any], path: str) -> None:
         ("staging", "staging / 2-thread memcpy (target 0.7)",
          [frac(bw(w, "blocking_s", "nebulite"), wl(w, "memcpy_2threads_Bps")) for w in ws]),
         ("persistence", "persistence / O_DIRECT write (target 0.8)",
-         [frac(persistence_bandwidth(summaries[w]["state_bytes"], summaries[w]["blocking_s"]["nebulite"],
-                                     summaries[w]["committed_s"]["nebulite"])
-               if "nebulite" in summaries[w]["committed_s"] else None, wl(w, "odirect_write_Bps"))
-          for w in ws]),
+         [frac(persistence_bandwidth(summaries[w], "nebulite"), wl(w, "odirect_write_Bps")) for w in ws]),
         ("load", "load from store / O_DIRECT read (target 0.8)",
          [frac(bw(w, "load_s", "nebulite store"), wl(w, "odirect_read_Bps")) for w in ws]),
     ]
