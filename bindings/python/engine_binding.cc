@@ -53,6 +53,7 @@ nb::dict VersionToDict(const VersionInfo& v) {
   d["persist_requested"] = v.persist_requested;
   d["persisted"] = v.persisted;
   d["failed"] = v.failed;
+  d["store_committed"] = v.store_committed;
   d["names"] = v.names;
   return d;
 }
@@ -80,15 +81,25 @@ void RegisterEngine(nb::module_& m) {
 
   m.def(
       "copy_many",
-      [](const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t>>& spans) {
+      [](const std::vector<std::tuple<uintptr_t, uintptr_t, uint64_t>>& spans, bool crc) {
         std::vector<CopySpan> v;
         v.reserve(spans.size());
         for (const auto& [dst, src, n] : spans)
           v.push_back({reinterpret_cast<void*>(dst), reinterpret_cast<const void*>(src), n});
-        nb::gil_scoped_release release;
-        LoadCopier().Copy(v);
+        std::vector<uint32_t> crcs;
+        {
+          nb::gil_scoped_release release;
+          if (crc) {
+            LoadCopier().CopyWithCrc(v, &crcs);
+          } else {
+            LoadCopier().Copy(v);
+          }
+        }
+        return crcs;
       },
-      "Copies many (dst, src, n) spans at once with every core (GIL released).");
+      nb::arg("spans"), nb::arg("crc") = false,
+      "Copies many (dst, src, n) spans at once with every core (GIL released); with crc=True "
+      "returns each span's CRC-32, computed in the same pass.");
 
   nb::class_<ObjectLease>(m, "ObjectLease")
       .def_prop_ro("address",
@@ -199,9 +210,20 @@ void RegisterEngine(nb::module_& m) {
             for (const auto& ref : res.records) out.emplace_back(ref.name, ref.offset, ref.size);
             return std::make_tuple(res.arena_offset, res.bytes, out);
           })
-      .def("seal", [](Engine& e, const std::string& tag, const std::string& version,
-                      const std::string& name,
-                      bool persist_now) { ThrowIfError(e.Seal(tag, version, name, persist_now)); })
+      .def("seal",
+           [](Engine& e, const std::string& tag, const std::string& version,
+              const std::string& name, bool persist_now, const std::vector<uint32_t>& crcs) {
+             ThrowIfError(e.Seal(tag, version, name, persist_now, crcs));
+           })
+      .def("rename_version",
+           [](Engine& e, const std::string& tag, const std::string& from, const std::string& to) {
+             Status st;
+             {
+               nb::gil_scoped_release release;
+               st = e.RenameVersion(tag, from, to);
+             }
+             ThrowIfError(st);
+           })
       .def("discard", [](Engine& e, const std::string& tag, const std::string& version,
                          const std::string& name) { ThrowIfError(e.Discard(tag, version, name)); })
       .def("adopt",
@@ -220,8 +242,16 @@ void RegisterEngine(nb::module_& m) {
              nb::gil_scoped_release release;
              e.WaitStaged();
            })
-      .def("commit", [](Engine& e, const std::string& tag, const std::string& version, uint64_t seq,
-                        bool persist) { ThrowIfError(e.Commit(tag, version, seq, persist)); })
+      .def("commit",
+           [](Engine& e, const std::string& tag, const std::string& version, uint64_t seq,
+              bool persist) {
+             Status st;
+             {
+               nb::gil_scoped_release release;
+               st = e.Commit(tag, version, seq, persist);
+             }
+             ThrowIfError(st);
+           })
       .def("persist", [](Engine& e, const std::string& tag,
                          const std::string& version) { ThrowIfError(e.Persist(tag, version)); })
       .def("flush",
@@ -233,15 +263,28 @@ void RegisterEngine(nb::module_& m) {
              }
              ThrowIfError(st);
            })
-      .def("abandon", &Engine::Abandon)
+      .def("abandon",
+           [](Engine& e, const std::string& tag, const std::string& version) {
+             nb::gil_scoped_release release;
+             e.Abandon(tag, version);
+           })
       .def("versions",
            [](Engine& e) {
              nb::list out;
              for (const auto& v : e.Versions()) out.append(VersionToDict(v));
              return out;
            })
-      .def("pin", [](Engine& e, const std::string& tag, const std::string& version,
-                     const std::string& name) { return ValueOrThrow(e.Pin(tag, version, name)); })
+      .def("pin",
+           [](Engine& e, const std::string& tag, const std::string& version,
+              const std::string& name) {
+             // Pinning may wait for a deferred copy: never with the GIL held.
+             Result<std::shared_ptr<ObjectLease>> r = Status::Internal("unset");
+             {
+               nb::gil_scoped_release release;
+               r = e.Pin(tag, version, name);
+             }
+             return ValueOrThrow(std::move(r));
+           })
       .def("take_errors",
            [](Engine& e) {
              std::vector<std::tuple<std::string, std::string>> out;

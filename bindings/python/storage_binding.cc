@@ -1,20 +1,26 @@
-// Read-side access to a store: catalog, manifests, data files.
+// Access to a store from Python: the catalog, manifests and data files (through a
+// read-only store, so that a process can read a store it cannot write), and the run locks
+// and dead-run clean-up (through a writable one). Every store is opened with the GIL held:
+// an error raised while it is released would crash the interpreter.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
 #include <nanobind/stl/unique_ptr.h>
 #include <nanobind/stl/vector.h>
 
+#include <chrono>
 #include <cstdlib>
 #include <map>
 #include <mutex>
 
 #include "nebulite/commit.h"
 #include "nebulite/copy_engine.h"
+#include "nebulite/data_file_writer.h"
 #include "nebulite/engine.h"
 #include "nebulite/format.h"
+#include "nebulite/runs.h"
 #include "nebulite/storage.h"
-#include "nebulite/stream_writer.h"
+#include "nebulite/stored_archive.h"
 #include "status_binding.h"
 
 namespace nb = nanobind;
@@ -22,20 +28,25 @@ namespace nb = nanobind;
 namespace nebulite::python {
 namespace {
 
-// One open store per root, for the life of the process.
-Storage* StoreFor(const std::string& root) {
+// One open store per root and mode, for the life of the process. Call with the GIL held.
+Storage* StoreFor(const std::string& root, bool writable = false) {
   static std::mutex mu;
-  static std::map<std::string, std::unique_ptr<Storage>>* stores =
-      new std::map<std::string, std::unique_ptr<Storage>>();
+  static auto* stores = new std::map<std::pair<std::string, bool>, std::unique_ptr<Storage>>();
   std::lock_guard<std::mutex> lock(mu);
-  auto it = stores->find(root);
+  auto key = std::make_pair(root, writable);
+  auto it = stores->find(key);
   if (it != stores->end()) return it->second.get();
-  auto s = OpenPosixStorage(root, /*use_direct_io=*/false);
+  auto s = OpenPosixStorage(root, PosixOptions{/*direct_io=*/false, /*read_only=*/!writable});
   ThrowIfError(s.status());
   Storage* p = s->get();
-  (*stores)[root] = std::move(s).value();
+  (*stores)[key] = std::move(s).value();
   return p;
 }
+
+// A run's lock, held until released (or the object is collected).
+struct RunLock {
+  std::unique_ptr<StoreLock> lock;
+};
 
 nb::dict CommitToDict(const CommitRecord& c) {
   nb::dict d;
@@ -51,10 +62,11 @@ nb::dict CommitToDict(const CommitRecord& c) {
 
 void RegisterStorage(nb::module_& m) {
   m.def("read_catalog", [](const std::string& root) {
+    Storage* store = StoreFor(root);
     Result<Catalog> c = Status::Internal("unset");
     {
       nb::gil_scoped_release release;
-      c = ReadCatalog(StoreFor(root));
+      c = ReadCatalog(store);
     }
     Catalog cat = ValueOrThrow(std::move(c));
     nb::list entries;
@@ -85,10 +97,11 @@ void RegisterStorage(nb::module_& m) {
 
   m.def("verify_data_file", [](const std::string& root, const std::string& path,
                                const std::string& name, uint64_t size, uint32_t crc) {
+    Storage* store = StoreFor(root);
     Status st;
     {
       nb::gil_scoped_release release;
-      st = VerifyDataFile(StoreFor(root), path, ManifestFile{name, size, crc});
+      st = VerifyDataFile(store, path, ManifestFile{name, size, crc});
     }
     ThrowIfError(st);
   });
@@ -106,10 +119,11 @@ void RegisterStorage(nb::module_& m) {
         for (const auto& [offset, n, dst] : spans)
           v.push_back({offset, n, reinterpret_cast<void*>(dst)});
         std::vector<uint32_t> crcs;
+        Storage* store = StoreFor(root);
         Status st;
         {
           nb::gil_scoped_release release;
-          st = ReadDataFile(StoreFor(root), path, ManifestFile{name, size, crc}, v, threads, &crcs);
+          st = ReadDataFile(store, path, ManifestFile{name, size, crc}, v, threads, &crcs);
         }
         ThrowIfError(st);
         return crcs;
@@ -133,6 +147,7 @@ void RegisterStorage(nb::module_& m) {
         }
         auto layout = ValueOrThrow(format::ArchiveLayout::Plan(specs));
         window = std::max<uint64_t>(4096, window / 4096 * 4096);
+        Storage* store = StoreFor(root, /*writable=*/true);
         Result<ManifestFile> r = Status::Internal("unset");
         {
           nb::gil_scoped_release release;
@@ -141,8 +156,9 @@ void RegisterStorage(nb::module_& m) {
             r = Status::ResourceExhausted("cannot allocate the streaming window");
           } else {
             CopyEngine copy(0);
-            r = StreamToFile(StoreFor(root), DataFilePath(tag, version, rank, name), name, layout,
-                             src, static_cast<uint8_t*>(buf), window, copy);
+            DataFileWriter writer(store, &copy);
+            r = writer.WriteStreamed({tag, version, rank, name}, layout, src,
+                                     static_cast<uint8_t*>(buf), window, copy);
             free(buf);
           }
         }
@@ -152,17 +168,105 @@ void RegisterStorage(nb::module_& m) {
       nb::arg("root"), nb::arg("tag"), nb::arg("version"), nb::arg("rank"), nb::arg("name"),
       nb::arg("records"), nb::arg("window") = 64ull << 20);
 
-  m.def("apply_retention", [](const std::string& root, uint32_t keep) {
-    return ValueOrThrow(ApplyRetention(StoreFor(root), keep));
+  m.def("validate_tag", [](const std::string& tag) { ThrowIfError(ValidateTag(tag)); });
+  m.def(
+      "retire_version",
+      [](const std::string& root, const std::string& tag, const std::string& version) {
+        // Deletes a committed version as retention does (marker first, durably).
+        Storage* store = StoreFor(root, /*writable=*/true);
+        Status st;
+        {
+          nb::gil_scoped_release release;
+          st = RetireVersion(store, tag, version);
+        }
+        ThrowIfError(st);
+      },
+      nb::arg("root"), nb::arg("tag"), nb::arg("version"));
+  m.def("newest_claimed_seq", [](const std::string& root) {
+    // The newest commit number claimed in the store (0 if none).
+    Storage* store = StoreFor(root);
+    uint64_t newest = 0;
+    Result<std::vector<std::string>> names = Status::Internal("unset");
+    {
+      nb::gil_scoped_release release;
+      names = store->List(".nebulite/seq");
+    }
+    if (names.ok()) {
+      for (const std::string& n : *names) {
+        if (n.size() == 20 && n.find_first_not_of("0123456789") == std::string::npos)
+          newest = std::max<uint64_t>(newest, std::stoull(n));
+      }
+    }
+    return newest;
   });
+  m.def("version_name", [](const std::string& run, uint64_t counter) {
+    ThrowIfError(ValidateRunId(run));
+    return VersionName(run, counter);
+  });
+  m.def("parse_version_name", [](const std::string& version) -> nb::object {
+    std::string run;
+    uint64_t counter;
+    if (!ParseVersionName(version, &run, &counter)) return nb::none();
+    return nb::make_tuple(run, counter);
+  });
+  m.def(
+      "highest_version_counter",
+      [](const std::string& root, const std::string& run, bool committed_only) {
+        Storage* store = StoreFor(root);
+        Result<uint64_t> r = Status::Internal("unset");
+        {
+          nb::gil_scoped_release release;
+          r = HighestVersionCounter(store, run, committed_only);
+        }
+        return ValueOrThrow(std::move(r));
+      },
+      nb::arg("root"), nb::arg("run"), nb::arg("committed_only") = false);
+
+  nb::class_<RunLock>(m, "RunLock")
+      .def("release", [](RunLock& l) { l.lock.reset(); })
+      .def_prop_ro("held", [](const RunLock& l) { return l.lock != nullptr; });
+  m.def(
+      "hold_run",
+      [](const std::string& root, const std::string& run) {
+        // Marks `run` alive in the store while the returned lock is held; None when the
+        // run cannot be held right now (a clean-up is deciding about it).
+        Storage* store = StoreFor(root, /*writable=*/true);
+        auto lock = ValueOrThrow(HoldRun(store, run));
+        if (!lock) return nb::object(nb::none());
+        auto* out = new RunLock{std::move(lock)};
+        return nb::cast(out, nb::rv_policy::take_ownership);
+      },
+      nb::arg("root"), nb::arg("run"));
+  m.def("run_is_alive", [](const std::string& root, const std::string& run) {
+    Storage* store = StoreFor(root, /*writable=*/true);
+    return ValueOrThrow(RunIsAlive(store, run));
+  });
+  m.def(
+      "remove_dead_runs",
+      [](const std::string& root, const std::string& live_run, double grace_seconds) {
+        // Removes uncommitted versions of runs that died (see nebulite/runs.h).
+        Storage* store = StoreFor(root, /*writable=*/true);
+        Result<CleanupResult> r = Status::Internal("unset");
+        {
+          nb::gil_scoped_release release;
+          int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                            std::chrono::system_clock::now().time_since_epoch())
+                            .count();
+          r = RemoveDeadRunsVersions(store, live_run, grace_seconds, now);
+        }
+        CleanupResult c = ValueOrThrow(std::move(r));
+        return nb::make_tuple(c.removed, c.warnings);
+      },
+      nb::arg("root"), nb::arg("live_run"), nb::arg("grace_seconds"));
 
   nb::class_<StoredArchive>(m, "StoredArchive")
       .def_static("open",
                   [](const std::string& root, const std::string& path) {
+                    Storage* store = StoreFor(root);
                     Result<std::unique_ptr<StoredArchive>> a = Status::Internal("unset");
                     {
                       nb::gil_scoped_release release;
-                      a = StoredArchive::Open(StoreFor(root), path);
+                      a = StoredArchive::Open(store, path);
                     }
                     return ValueOrThrow(std::move(a));
                   })

@@ -23,6 +23,8 @@ struct CopySpan {
 // memcpy with non-temporal stores for large sizes (plain memcpy below 256 KiB and on
 // CPUs without them); the bytes are visible to other threads when it returns.
 void StreamCopy(void* dst, const void* src, size_t n);
+// Copies n bytes as StreamCopy does and returns their CRC-32, extending `crc`.
+uint32_t StreamCopyWithCrc(void* dst, const void* src, size_t n, uint32_t crc);
 
 class CopyEngine {
  public:
@@ -34,8 +36,11 @@ class CopyEngine {
 
   int threads() const { return static_cast<int>(workers_.size()) + 1; }
   // bypass_caches: large pieces are copied with StreamCopy (the destination is not read
-  // again soon); false when the caller reads the destination right after (e.g. a CRC).
+  // again soon); false when the caller reads the destination right after.
   void Copy(const std::vector<CopySpan>& spans, bool bypass_caches = true);
+  // Copies as Copy() does and computes each span's CRC-32 in the same pass: every block
+  // is checksummed while it is in the cache, then copied (crcs[i] is span i's).
+  void CopyWithCrc(const std::vector<CopySpan>& spans, std::vector<uint32_t>* crcs);
   // Runs fn(i) for i in [0, n) on the pool and the calling thread.
   void ParallelFor(size_t n, const std::function<void(size_t)>& fn);
 

@@ -3,18 +3,22 @@
 // runs embedded in a trainer process or hosted by a node agent.
 //
 // Lifecycle of a version (one save of a tag), as seen through this class:
-//   Stage() for each object        reserve -> copy into the arena -> sealed (returns)
-//   Commit(seq, persist)           complete on this rank; visible in MemoryVersions()
-//   [persist] background persister data files -> Sync -> manifest  ("persisted")
-//   [rank 0]  coordinator          all ranks' manifests -> COMMITTED marker ->
-//                                  retention of older committed versions
+//   Stage() for each object        reserve -> copy into the arena, computing each
+//                                  record's CRC-32 -> sealed (returns)
+//   Commit(seq, persist)           complete on this rank; visible in Versions()
+//   [persist] background persister data files (their CRCs checked against those of the
+//                                  staging copy) -> manifest  ("persisted")
+//   [rank 0]  coordinator          all ranks' manifests, every file they name present ->
+//                                  commit number claimed in the store -> COMMITTED
+//                                  marker -> retention of older committed versions
 //   eviction                       arena blocks released once the version is persisted,
 //                                  or superseded when it was never to be persisted
 // An object larger than the free arena, when a store is configured, streams through
 // the arena in chunks straight into its data file; its version must then be persisted.
 //
 // Errors of background work never abort: they are queued for TakeErrors() and
-// written to the history with outcome "failed".
+// written to the history with outcome "failed". No failure deletes a file that a
+// manifest that may be published names (persist/persister.h has the policy).
 // Thread-safety: all public methods are thread-safe.
 #pragma once
 
@@ -52,6 +56,9 @@ struct EngineOptions {
   std::shared_ptr<Arena> arena;
 };
 
+// Limits of EngineOptions (Open() refuses anything else with InvalidArgument).
+inline constexpr int kMaxThreads = 1024;
+
 // 25% of physical memory, rounded to 2 MiB.
 uint64_t DefaultMemoryBytes();
 
@@ -79,7 +86,7 @@ struct RecordRef {
 
 // An object's image reserved in the arena, for a writer that fills it itself (another
 // process mapping the same arena, say): record i's payload goes to
-// arena base + arena_offset + records[i].offset.
+// arena base + arena_offset + records[i].offset, and its CRC-32 is handed to Seal().
 struct Reservation {
   uint64_t arena_offset = 0;
   uint64_t bytes = 0;  // size of the data file
@@ -98,12 +105,13 @@ class ObjectLease {
 struct VersionInfo {
   std::string tag;
   std::string version;
-  uint64_t seq = 0;
+  uint64_t seq = 0;            // the commit order: the store's once committed there
   int64_t commit_unix_ns = 0;  // wall time of Commit()
   bool in_memory = false;      // every object of this rank is loadable from the arena
   bool persist_requested = false;
-  bool persisted = false;  // this rank's files and manifest are durable
-  bool failed = false;     // persisting failed (see TakeErrors)
+  bool persisted = false;        // this rank's files and manifest are durable
+  bool failed = false;           // persisting failed (see TakeErrors)
+  bool store_committed = false;  // its commit marker is known to be in the store
   std::vector<std::string> names;
 };
 
@@ -128,8 +136,9 @@ class Engine {
                                   const std::string& name, const std::vector<SourceRecord>& records,
                                   bool persist_now = false) = 0;
   // Zero-copy staging: Reserve() lays out the object and writes its headers; the caller
-  // fills every payload and then calls Seal(), which makes it a staged object exactly as
-  // Stage() would (persisted at once with `persist_now`). Discard() drops a reservation
+  // fills every payload and then calls Seal() with each record's CRC-32 (computed while
+  // copying), which makes it a staged object exactly as Stage() would (persisted at once
+  // with `persist_now`). Discard() drops a reservation
   // that will never be sealed (its writer died). A version cannot be committed while one
   // of its objects is reserved but not sealed. Reserve() never streams: an image larger
   // than the free memory (after waiting) is ResourceExhausted.
@@ -137,7 +146,7 @@ class Engine {
                                       const std::string& name,
                                       const std::vector<format::RecordSpec>& records) = 0;
   virtual Status Seal(const std::string& tag, const std::string& version, const std::string& name,
-                      bool persist_now) = 0;
+                      bool persist_now, const std::vector<uint32_t>& crcs) = 0;
   virtual Status Discard(const std::string& tag, const std::string& version,
                          const std::string& name) = 0;
   // Adds an object whose data file another process already wrote durably at
@@ -159,11 +168,18 @@ class Engine {
   virtual Status Persist(const std::string& tag, const std::string& version) = 0;
   // Waits until everything queued is persisted and committed in the store.
   virtual Status Flush(double timeout_seconds) = 0;
-  // Drops an uncommitted version (its arena space is released).
+  // Drops an uncommitted version: its arena space is released, and what of it this rank
+  // already wrote to the store is removed in the background.
   virtual void Abandon(const std::string& tag, const std::string& version) = 0;
+  // Renames an uncommitted version (the ranks agreed on another name for it): its objects,
+  // and its files already in the store, move to `to`.
+  virtual Status RenameVersion(const std::string& tag, const std::string& from,
+                               const std::string& to) = 0;
 
   // Committed versions of this rank still known to the engine, ordered by seq.
   virtual std::vector<VersionInfo> Versions() = 0;
+  // Pins an object of a committed version held in memory (NotFound otherwise), waiting
+  // for a deferred copy of it to land.
   virtual Result<std::shared_ptr<ObjectLease>> Pin(const std::string& tag,
                                                    const std::string& version,
                                                    const std::string& name) = 0;
@@ -175,26 +191,11 @@ class Engine {
   virtual uint64_t memory_used() const = 0;
   virtual uint64_t memory_resident() const = 0;  // the arena's high-water mark
   virtual void WaitPrefaulted() = 0;
-  // Stops background threads after finishing queued work (bounded by timeout).
+  // Finishes queued work and stops the background threads, returning within
+  // `timeout_seconds` in any case: work still pending then is dropped (a version not
+  // committed in the store stays uncommitted), and a thread stuck in the store (a hung
+  // mount) is left to finish alone.
   virtual Status Close(double timeout_seconds) = 0;
-};
-
-// Reading a data file from a store: validated directory, CRC-checked payloads.
-class StoredArchive {
- public:
-  static Result<std::unique_ptr<StoredArchive>> Open(Storage* storage, const std::string& path);
-  const format::ArchiveIndex& index() const { return index_; }
-  const std::string& path() const { return path_; }
-  // Reads a record's payload into dst (size bytes), with `threads` parallel reads,
-  // and checks its CRC-32: Corruption naming the file otherwise.
-  Status ReadInto(const format::RecordEntry& entry, void* dst, int threads) const;
-
- private:
-  StoredArchive(Storage* s, std::string path, format::ArchiveIndex index)
-      : storage_(s), path_(std::move(path)), index_(std::move(index)) {}
-  Storage* storage_;
-  std::string path_;
-  format::ArchiveIndex index_;
 };
 
 }  // namespace nebulite

@@ -8,6 +8,7 @@
 // Thread-safety: all methods may be called concurrently.
 #pragma once
 
+#include <functional>
 #include <memory>
 #include <string>
 
@@ -16,14 +17,16 @@
 namespace nebulite {
 
 enum class StorageOp {
-  kCreate,
-  kWrite,
-  kSync,
-  kWriteAtomic,
+  kCreate,       // NewWritableFile, CreateDirs
+  kWrite,        // WritableFile::WriteAt
+  kSync,         // WritableFile::Sync
+  kWriteAtomic,  // WriteFileAtomic, CreateFileExclusive (then their own primitives)
   kRename,
   kSyncDir,
-  kDelete,
-  kRead,
+  kDelete,  // Delete, DeleteRecursively, RemoveDirIfEmpty
+  kRead,    // every read: ReadFile, NewReadableFile and its ReadAt, Stat, Exists, List
+  kAppend,  // AppendToFile
+  kLock,    // TryLock
   kAny
 };
 
@@ -37,6 +40,12 @@ class FaultStorage : public Storage {
   virtual void Crash() = 0;
   // Number of operations of kind `op` performed so far (failed ones included).
   virtual int Count(StorageOp op) const = 0;
+  // Called at the start of every operation with its kind and path (a file's path for the
+  // operations of an open file); a non-OK status fails the operation. It runs under the
+  // wrapper's lock: it may block (a hung mount) or act on the base store, never on this
+  // wrapper. An empty function removes it.
+  using Hook = std::function<Status(StorageOp op, const std::string& path)>;
+  virtual void SetHook(Hook hook) = 0;
 };
 
 }  // namespace nebulite

@@ -1,17 +1,27 @@
-// Storage: the one door between the engine and a persistent store.
+// Storage: the one door between nebulite and a persistent store. Everything that reads
+// or changes a store (data files, manifests, commit markers, retention, the run locks,
+// dead-run clean-up, the history CSV) goes through it, so a wrapping driver sees every
+// operation.
 //
 // Paths are relative to the store's root, '/'-separated, and never contain "..",
 // empty components or a leading '/'. Drivers: posix (local disk, NFS, Lustre,
-// blobfuse mounts), memory (tests), fault (wraps any driver; drops unsynced data and
-// fails chosen operations, for crash tests). Object stores are hosted in Python.
+// blobfuse mounts; read-write or read-only), memory (tests), fault (wraps any driver;
+// drops unsynced data and fails chosen operations, for crash tests).
 //
 // Durability contract (what the commit protocol relies on):
 //  - data written through a WritableFile is durable after its Sync() returns;
 //  - a file created, renamed or deleted is durable after SyncDir() of its parent;
 //  - WriteFileAtomic() is durable and atomic when it returns: a reader sees the old
-//    content or the new, never a mix (temp file, fsync, rename, fsync directory).
+//    content or the new, never a mix (temp file, fsync, rename, fsync directory);
+//  - CreateFileExclusive() is WriteFileAtomic() that fails if the target exists, decided
+//    atomically by the store (two writers racing for one name: exactly one wins).
+// Readers: a ReadableFile reads the file it opened, whole, even when the name is deleted
+// or replaced meanwhile (posix keeps the inode; other drivers pin the version).
+// Only regular files are data: anything else at a file's path (a directory, a FIFO, a
+// device) is refused without being opened for I/O, so it can never block a reader.
 // Thread-safety: every method of a Storage may be called concurrently; one
-// WritableFile may receive concurrent WriteAt() calls for non-overlapping ranges.
+// WritableFile may receive concurrent WriteAt() calls for non-overlapping ranges; one
+// ReadableFile may receive concurrent ReadAt() calls.
 #pragma once
 
 #include <cstddef>
@@ -36,30 +46,67 @@ class WritableFile {
   virtual Status Close() = 0;
 };
 
+class ReadableFile {
+ public:
+  virtual ~ReadableFile() = default;
+  // The size of the file when it was opened.
+  virtual uint64_t size() const = 0;
+  // Reads up to n bytes at offset; returns the count (short only at end of file).
+  virtual Result<size_t> ReadAt(uint64_t offset, size_t n, void* dst) = 0;
+};
+
+// A lock held in a store (see TryLock); released when destroyed.
+class StoreLock {
+ public:
+  virtual ~StoreLock() = default;
+};
+
+enum class FileType { kFile, kDirectory, kOther };
+
+struct FileInfo {
+  FileType type = FileType::kFile;
+  uint64_t size = 0;
+  int64_t mtime_ns = 0;  // last modification, by the store's clock
+};
+
 class Storage {
  public:
   virtual ~Storage() = default;
 
   // A human-readable description, e.g. "posix:/mnt/ckpt".
   virtual std::string Describe() const = 0;
+  // True if the store was opened for reading only: every change is PermissionDenied.
+  virtual bool read_only() const { return false; }
 
+  // -- writing ------------------------------------------------------------------------
   // Creates (or truncates) `path`, creating missing parent directories. `size` is the
   // final size when known (0 if not); drivers may preallocate it.
   virtual Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                                 uint64_t size) = 0;
   // Writes a small file atomically and durably (see the contract above).
   virtual Status WriteFileAtomic(const std::string& path, const std::string& data) = 0;
+  // As WriteFileAtomic, but AlreadyExists if `path` exists (atomically decided).
+  virtual Status CreateFileExclusive(const std::string& path, const std::string& data) = 0;
+  // Appends `data` to `path` (created if missing, with its parents) in one write, so that
+  // lines appended concurrently by several processes stay whole. Not synced.
+  virtual Status AppendToFile(const std::string& path, const std::string& data) = 0;
 
-  virtual Result<uint64_t> FileSize(const std::string& path) = 0;
-  // Reads up to n bytes at offset; returns the count (short only at end of file).
-  virtual Result<size_t> ReadAt(const std::string& path, uint64_t offset, size_t n, void* dst) = 0;
-  // Reads a whole small file (at most `max_bytes`, else Corruption).
+  // -- reading ------------------------------------------------------------------------
+  // Opens a regular file for reading (NotFound if missing; InvalidArgument if it is a
+  // directory or anything but a regular file).
+  virtual Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) = 0;
+  // Reads a whole small regular file (at most `max_bytes`, else Corruption).
   virtual Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) = 0;
-
+  // What is at `path` (NotFound if nothing). Symbolic links are followed.
+  virtual Result<FileInfo> Stat(const std::string& path) = 0;
+  // The size of the regular file at `path`.
+  Result<uint64_t> FileSize(const std::string& path);
   virtual Result<bool> Exists(const std::string& path) = 0;
   // Names (not paths) of the entries directly in `dir` ("" is the root), sorted.
   // A missing directory lists as empty.
   virtual Result<std::vector<std::string>> List(const std::string& dir) = 0;
+
+  // -- directories, names -------------------------------------------------------------
   virtual Status CreateDirs(const std::string& dir) = 0;
   virtual Status Rename(const std::string& from, const std::string& to) = 0;
   // Makes the entries of `dir` durable (fsync of the directory).
@@ -68,6 +115,17 @@ class Storage {
   virtual Status Delete(const std::string& path) = 0;
   // Deletes a directory and everything below it; a missing directory is OK.
   virtual Status DeleteRecursively(const std::string& dir) = 0;
+  // Deletes `dir` if it is empty, atomically with respect to writers creating entries in
+  // it: returns true if it was removed (or was missing), false if it holds something.
+  virtual Result<bool> RemoveDirIfEmpty(const std::string& dir) = 0;
+
+  // -- locks --------------------------------------------------------------------------
+  // Takes a lock named `path` (the file is created if missing) without waiting: shared
+  // locks coexist, an exclusive one excludes all others. Returns nullptr when another
+  // holder conflicts. A lock held by a process is released when the process dies.
+  // Where a store's locks are not shared by every node (node-local flock on Lustre,
+  // FUSE mounts), a free lock proves nothing: callers never act on it alone.
+  virtual Result<std::unique_ptr<StoreLock>> TryLock(const std::string& path, bool exclusive) = 0;
 };
 
 // Returns InvalidArgument unless `component` is a single safe path component:
@@ -77,12 +135,22 @@ Status ValidatePathComponent(const std::string& component, const char* what);
 // Joins components with '/', skipping empty ones.
 std::string JoinPath(const std::string& a, const std::string& b);
 std::string ParentDir(const std::string& path);  // "" for a top-level entry
+std::string BaseName(const std::string& path);   // the last component
 
 // Drivers.
-// Opens a posix store rooted at `root` (created if missing; an unwritable root is
-// PermissionDenied). `use_direct_io` enables O_DIRECT for aligned writes.
+struct PosixOptions {
+  bool direct_io = true;   // O_DIRECT for aligned writes
+  bool read_only = false;  // never create, write or probe anything
+};
+// Opens a posix store rooted at `root`. Read-write: the root is created if missing and
+// must be writable (PermissionDenied otherwise). Read-only: the root must exist
+// (NotFound otherwise) and nothing is ever created or written.
 Result<std::unique_ptr<Storage>> OpenPosixStorage(const std::string& root,
-                                                  bool use_direct_io = true);
+                                                  const PosixOptions& options);
+inline Result<std::unique_ptr<Storage>> OpenPosixStorage(const std::string& root,
+                                                         bool use_direct_io = true) {
+  return OpenPosixStorage(root, PosixOptions{use_direct_io, false});
+}
 std::unique_ptr<Storage> NewMemoryStorage();
 
 }  // namespace nebulite

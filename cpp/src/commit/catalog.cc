@@ -1,9 +1,10 @@
-// The catalog of committed versions, and retention.
+// The catalog of committed versions, their checks, and retention.
 //
 // A version is committed iff <tag>/<version>/COMMITTED exists and decodes; the catalog
 // looks at nothing else. Retention removes a version's marker first and makes that
 // durable before deleting any file, so a crash in the middle leaves the version either
-// committed and intact or invisible, never committed and torn.
+// committed and intact or invisible, never committed and torn. It counts only versions
+// that pass their check, so a damaged version never makes it delete an intact one.
 #include <algorithm>
 #include <string>
 #include <tuple>
@@ -18,24 +19,31 @@ Result<Catalog> ReadCatalog(Storage* storage) {
   Catalog catalog;
   NEBULITE_ASSIGN_OR_RETURN(std::vector<std::string> tags, storage->List(""));
   for (const std::string& tag : tags) {
-    // Temporary files and foreign entries are not tags.
-    if (tag.empty() || tag[0] == '.' || !ValidatePathComponent(tag, "tag").ok()) continue;
-    NEBULITE_ASSIGN_OR_RETURN(std::vector<std::string> versions, storage->List(tag));
-    for (const std::string& version : versions) {
-      if (version.empty() || version[0] == '.' || !ValidatePathComponent(version, "version").ok()) {
+    // Temporary files, the store's own entries and foreign entries are not tags.
+    if (!ValidateTag(tag).ok()) continue;
+    Result<std::vector<std::string>> versions = storage->List(tag);
+    if (!versions.ok()) {  // e.g. lost+found, or a directory of another user
+      catalog.warnings.push_back("skipping '" + tag + "': " + versions.status().ToString());
+      continue;
+    }
+    for (const std::string& version : *versions) {
+      if (!ValidateVersionName(version).ok()) continue;
+      const std::string marker = CommitMarkerPath(tag, version);
+      Result<FileInfo> info = storage->Stat(marker);
+      if (!info.ok()) {
+        if (info.status().code() == StatusCode::kNotFound) continue;  // not committed
+        catalog.warnings.push_back("skipping " + marker + ": " + info.status().ToString());
         continue;
       }
-      const std::string marker = CommitMarkerPath(tag, version);
-      NEBULITE_ASSIGN_OR_RETURN(bool committed, storage->Exists(marker));
-      if (!committed) continue;  // in progress, abandoned, or being deleted
+      if (info->type != FileType::kFile) {
+        catalog.warnings.push_back("skipping " + marker + ": it is not a regular file");
+        continue;
+      }
       Result<std::string> text = storage->ReadFile(marker, kMaxManifestBytes);
       if (!text.ok()) {
         if (text.status().code() == StatusCode::kNotFound) continue;  // deleted meanwhile
-        if (text.status().code() == StatusCode::kCorruption) {        // over the size bound
-          catalog.warnings.push_back("skipping " + marker + ": " + text.status().ToString());
-          continue;
-        }
-        return text.status();
+        catalog.warnings.push_back("skipping " + marker + ": " + text.status().ToString());
+        continue;
       }
       Result<CommitRecord> record = DecodeCommitRecord(*text);
       if (!record.ok()) {
@@ -47,7 +55,7 @@ Result<Catalog> ReadCatalog(Storage* storage) {
                                    "' version '" + record->version + "'");
         continue;
       }
-      catalog.entries.push_back(CatalogEntry{std::move(record).value()});
+      catalog.entries.push_back(CatalogEntry{std::move(record).value(), info->mtime_ns});
     }
   }
   std::sort(catalog.entries.begin(), catalog.entries.end(),
@@ -58,34 +66,98 @@ Result<Catalog> ReadCatalog(Storage* storage) {
   return catalog;
 }
 
-Result<std::vector<std::pair<std::string, std::string>>> ApplyRetention(Storage* storage,
-                                                                        uint32_t keep) {
-  if (keep < 1) return Status::InvalidArgument("retention must keep at least one version");
-  NEBULITE_ASSIGN_OR_RETURN(Catalog catalog, ReadCatalog(storage));
-  std::vector<std::pair<std::string, std::string>> deleted;
-  if (catalog.entries.size() <= keep) return deleted;
-  const size_t doomed = catalog.entries.size() - keep;
-  for (size_t i = 0; i < doomed; ++i) {
-    const std::string& tag = catalog.entries[i].commit.tag;
-    const std::string& version = catalog.entries[i].commit.version;
-    const std::string dir = VersionDir(tag, version);
-    // 1. Uncommit, durably: from here on no reader will pick this version.
-    NEBULITE_RETURN_IF_ERROR(storage->Delete(CommitMarkerPath(tag, version)));
-    NEBULITE_RETURN_IF_ERROR(storage->SyncDir(dir));
-    // 2. Only then remove the files.
-    NEBULITE_RETURN_IF_ERROR(storage->DeleteRecursively(dir));
-    NEBULITE_RETURN_IF_ERROR(storage->SyncDir(tag));
-    deleted.emplace_back(tag, version);
-    // 3. Drop the tag's directory once it holds nothing. A save of this tag that starts
-    //    between List and the delete could lose its first files (Storage has no
-    //    "remove if empty"); the window is a few microseconds on posix.
-    NEBULITE_ASSIGN_OR_RETURN(std::vector<std::string> left, storage->List(tag));
-    if (left.empty()) {
-      NEBULITE_RETURN_IF_ERROR(storage->DeleteRecursively(tag));
-      NEBULITE_RETURN_IF_ERROR(storage->SyncDir(""));
+Status VersionChecker::Check(const CatalogEntry& entry) {
+  const CommitRecord& c = entry.commit;
+  for (uint32_t r = 0; r < c.world_size; ++r) {
+    NEBULITE_ASSIGN_OR_RETURN(Manifest m, ReadManifest(storage_, c.tag, c.version, r));
+    if (m.world_size != c.world_size) {
+      return Status::Corruption(ManifestPath(c.tag, c.version, r) + " is for world size " +
+                                std::to_string(m.world_size));
+    }
+    for (const ManifestFile& f : m.files) {
+      const std::string path = DataFilePath(c.tag, c.version, r, f.name);
+      Result<FileInfo> info = storage_->Stat(path);
+      if (!info.ok()) {
+        if (info.status().code() == StatusCode::kNotFound) {
+          return Status::Corruption("data file '" + path + "' is missing");
+        }
+        return info.status();
+      }
+      if (info->type != FileType::kFile) {
+        return Status::Corruption("data file '" + path + "' is not a regular file");
+      }
+      if (info->size != f.size) {
+        return Status::Corruption("data file '" + path + "' has " + std::to_string(info->size) +
+                                  " bytes, its manifest says " + std::to_string(f.size));
+      }
+      // Every file is complete before its manifest, and every manifest before the marker:
+      // a file changed later was changed by someone else. Read it.
+      if (info->mtime_ns <= entry.marker_mtime_ns) continue;
+      const auto key = std::make_tuple(path, info->size, info->mtime_ns);
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        auto it = files_.find(key);
+        if (it != files_.end()) {
+          if (it->second) continue;
+          return Status::Corruption("data file '" + path + "' fails its CRC-32 check");
+        }
+      }
+      Status st = VerifyDataFile(storage_, path, f);
+      if (st.ok() || st.code() == StatusCode::kCorruption) {
+        std::lock_guard<std::mutex> lock(mu_);
+        files_[key] = st.ok();
+      }
+      NEBULITE_RETURN_IF_ERROR(st);
     }
   }
-  return deleted;
+  return Status::OK();
+}
+
+Result<RetentionResult> ApplyRetention(Storage* storage, uint32_t keep, VersionChecker* checker,
+                                       const std::string& protect_tag,
+                                       const std::string& protect_version) {
+  if (keep < 1) return Status::InvalidArgument("retention must keep at least one version");
+  NEBULITE_ASSIGN_OR_RETURN(Catalog catalog, ReadCatalog(storage));
+  RetentionResult result;
+  // Newest first: find the keep-th version that passes its check.
+  size_t intact = 0, oldest_kept = catalog.entries.size();
+  for (size_t i = catalog.entries.size(); i-- > 0 && intact < keep;) {
+    const CatalogEntry& e = catalog.entries[i];
+    Status st = checker->Check(e);
+    if (st.ok()) {
+      ++intact;
+      oldest_kept = i;
+    } else {
+      result.warnings.push_back("checkpoint '" + e.commit.tag + "' (" + e.commit.version +
+                                ") does not count as kept: " + st.ToString());
+    }
+  }
+  if (intact < keep) return result;  // fewer intact versions than wanted: delete nothing
+  for (size_t i = 0; i < oldest_kept; ++i) {
+    const std::string& tag = catalog.entries[i].commit.tag;
+    const std::string& version = catalog.entries[i].commit.version;
+    if (tag == protect_tag && version == protect_version) continue;
+    NEBULITE_RETURN_IF_ERROR(RetireVersion(storage, tag, version));
+    result.deleted.emplace_back(tag, version);
+  }
+  return result;
+}
+
+Status RetireVersion(Storage* storage, const std::string& tag, const std::string& version) {
+  NEBULITE_RETURN_IF_ERROR(ValidateTag(tag));
+  NEBULITE_RETURN_IF_ERROR(ValidateVersionName(version));
+  const std::string dir = VersionDir(tag, version);
+  // 1. Uncommit, durably: from here on no reader will pick this version.
+  NEBULITE_RETURN_IF_ERROR(storage->Delete(CommitMarkerPath(tag, version)));
+  NEBULITE_RETURN_IF_ERROR(storage->SyncDir(dir));
+  // 2. Only then remove the files.
+  NEBULITE_RETURN_IF_ERROR(storage->DeleteRecursively(dir));
+  NEBULITE_RETURN_IF_ERROR(storage->SyncDir(tag));
+  // 3. Drop the tag's directory if it holds nothing; a save of this tag that is creating a
+  //    version in it at the same instant keeps it (the removal fails when not empty).
+  NEBULITE_ASSIGN_OR_RETURN(bool removed, storage->RemoveDirIfEmpty(tag));
+  if (removed) NEBULITE_RETURN_IF_ERROR(storage->SyncDir(""));
+  return Status::OK();
 }
 
 }  // namespace nebulite

@@ -1,16 +1,20 @@
 // The commit protocol: where each piece of a version lives, and the order in which
 // the pieces become durable (docs/format.md is normative).
 //
-//   1. each rank: data files written and Sync()ed (the caller);
+//   1. each rank: data files written under TempDataFilePath(), Sync()ed and renamed to
+//      DataFilePath() (the caller): a file at its final name is always complete;
 //   2. each rank: WriteManifest(): SyncDir of the rank directory (the data files'
 //      entries), the version directory, the tag directory and the root (the
 //      directories' own entries), then the manifest via WriteFileAtomic (temp, fsync,
 //      rename, fsync directory);
 //   3. the coordinator: WriteCommitMarker() once every manifest is present: it reads
-//      and checks them all, records their CRCs, and writes COMMITTED the same way, last.
+//      and checks them all, checks that every file they name exists with its size,
+//      records their CRCs, and writes COMMITTED the same way, last, under a sequence
+//      number claimed right before (ClaimCommitSeq).
 // A crash before step 3 completes leaves no marker, so the version stays invisible.
 #include <algorithm>
 #include <atomic>
+#include <cstdio>
 #include <string>
 #include <thread>
 #include <vector>
@@ -23,17 +27,82 @@ namespace {
 
 constexpr uint64_t kVerifyChunkBytes = 8ull << 20;
 constexpr uint64_t kReadPieceBytes = 16ull << 20;  // unit of work of ReadDataFile
+constexpr char kSeqDir[] = ".nebulite/seq";
 
 Status ValidateIds(const std::string& tag, const std::string& version) {
-  NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(tag, "tag"));
-  return ValidatePathComponent(version, "version");
+  NEBULITE_RETURN_IF_ERROR(ValidateTag(tag));
+  return ValidateVersionName(version);
+}
+
+Status ValidateStoreName(const std::string& name, const char* what) {
+  NEBULITE_RETURN_IF_ERROR(ValidatePathComponent(name, what));
+  if (name[0] == '.') {
+    return Status::InvalidArgument(std::string(what) + " '" + name +
+                                   "' starts with '.': such names are reserved for the "
+                                   "store's own files");
+  }
+  return Status::OK();
+}
+
+// "%020llu": claims sort by name in numeric order.
+std::string SeqName(uint64_t seq) {
+  char buf[32];
+  std::snprintf(buf, sizeof(buf), "%020llu", static_cast<unsigned long long>(seq));
+  return buf;
+}
+
+bool ParseSeqName(const std::string& name, uint64_t* seq) {
+  if (name.size() != 20) return false;
+  uint64_t v = 0;
+  for (char c : name) {
+    if (c < '0' || c > '9') return false;
+    if (v > (UINT64_MAX - 9) / 10) return false;
+    v = v * 10 + static_cast<uint64_t>(c - '0');
+  }
+  *seq = v;
+  return true;
+}
+
+// Checks that every file `m` names exists as a regular file of its size.
+Status CheckFilesExist(Storage* storage, const Manifest& m) {
+  for (const ManifestFile& f : m.files) {
+    const std::string path = DataFilePath(m.tag, m.version, m.rank, f.name);
+    Result<FileInfo> info = storage->Stat(path);
+    if (!info.ok()) {
+      if (info.status().code() == StatusCode::kNotFound) {
+        return Status::Corruption("data file '" + path + "' is missing");
+      }
+      return info.status();
+    }
+    if (info->type != FileType::kFile) {
+      return Status::Corruption("data file '" + path + "' is not a regular file");
+    }
+    if (info->size != f.size) {
+      return Status::Corruption("data file '" + path + "' has " + std::to_string(info->size) +
+                                " bytes, its manifest says " + std::to_string(f.size));
+    }
+  }
+  return Status::OK();
+}
+
+}  // namespace
+
+Status ValidateTag(const std::string& tag) { return ValidateStoreName(tag, "tag"); }
+Status ValidateVersionName(const std::string& version) {
+  return ValidateStoreName(version, "version");
 }
 
 std::string RankDir(const std::string& tag, const std::string& version, uint32_t rank) {
   return VersionDir(tag, version) + "/rank" + std::to_string(rank);
 }
 
-}  // namespace
+std::string TempDataFilePath(const std::string& tag, const std::string& version, uint32_t rank,
+                             const std::string& name) {
+  // Unique per name, and a valid path component even for a 255-byte name.
+  char crc[16];
+  std::snprintf(crc, sizeof(crc), "%08x", Crc32(0, name.data(), name.size()));
+  return RankDir(tag, version, rank) + "/." + name.substr(0, 180) + "." + crc + ".partial";
+}
 
 std::string VersionDir(const std::string& tag, const std::string& version) {
   return tag + "/" + version;
@@ -96,6 +165,38 @@ Result<bool> AllManifestsPresent(Storage* storage, const std::string& tag,
   return true;
 }
 
+Result<uint64_t> ClaimCommitSeq(Storage* storage, uint64_t at_least) {
+  NEBULITE_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->List(kSeqDir));
+  uint64_t newest = 0;
+  bool any = false;
+  for (const std::string& n : names) {
+    uint64_t v;
+    if (ParseSeqName(n, &v)) {
+      newest = std::max(newest, v);
+      any = true;
+    }
+  }
+  if (!any) {  // a store written before claims existed, or whose claims were removed
+    NEBULITE_ASSIGN_OR_RETURN(Catalog catalog, ReadCatalog(storage));
+    for (const CatalogEntry& e : catalog.entries) newest = std::max(newest, e.commit.seq);
+  }
+  uint64_t seq = std::max(newest + 1, std::max<uint64_t>(at_least, 1));
+  for (int attempt = 0;; ++attempt, ++seq) {
+    Status st = storage->CreateFileExclusive(JoinPath(kSeqDir, SeqName(seq)), "");
+    if (st.ok()) break;
+    if (st.code() != StatusCode::kAlreadyExists || attempt == 1000) {
+      return st.WithContext("claiming commit number " + std::to_string(seq));
+    }
+  }
+  // Only the newest claim matters; older ones go (best effort: another writer may be
+  // removing them too).
+  for (const std::string& n : names) {
+    uint64_t v;
+    if (ParseSeqName(n, &v) && v < seq) (void)storage->Delete(JoinPath(kSeqDir, n));
+  }
+  return seq;
+}
+
 Status WriteCommitMarker(Storage* storage, const CommitRecord& c) {
   NEBULITE_RETURN_IF_ERROR(ValidateIds(c.tag, c.version));
   if (c.world_size == 0) return Status::InvalidArgument("commit world_size must be at least 1");
@@ -128,29 +229,46 @@ Status WriteCommitMarker(Storage* storage, const CommitRecord& c) {
       return Status::Corruption("cannot commit: " + path +
                                 " does not match the checksum the coordinator expects");
     }
+    // A marker must never vouch for a file that is not there.
+    NEBULITE_RETURN_IF_ERROR(CheckFilesExist(storage, *m).WithContext("cannot commit"));
     record.manifest_crc32.push_back(crc);
   }
   return storage->WriteFileAtomic(CommitMarkerPath(c.tag, c.version), EncodeCommitRecord(record));
 }
 
-Status VerifyDataFile(Storage* storage, const std::string& path, const ManifestFile& f) {
-  Result<uint64_t> size = storage->FileSize(path);
-  if (!size.ok()) {
-    if (size.status().code() == StatusCode::kNotFound) {
+namespace {
+
+// Opens a data file for a check against its manifest entry: Corruption if it is missing,
+// not a regular file, or not of the manifest's size.
+Result<std::unique_ptr<ReadableFile>> OpenDataFile(Storage* storage, const std::string& path,
+                                                   const ManifestFile& f) {
+  Result<std::unique_ptr<ReadableFile>> file = storage->NewReadableFile(path);
+  if (!file.ok()) {
+    if (file.status().code() == StatusCode::kNotFound) {
       return Status::Corruption("data file '" + path + "' is missing");
     }
-    return size.status();
+    if (file.status().code() == StatusCode::kInvalidArgument) {
+      return Status::Corruption("data file '" + path + "': " + file.status().message());
+    }
+    return file.status();
   }
-  if (*size != f.size) {
-    return Status::Corruption("data file '" + path + "' has " + std::to_string(*size) +
+  if ((*file)->size() != f.size) {
+    return Status::Corruption("data file '" + path + "' has " + std::to_string((*file)->size()) +
                               " bytes, its manifest says " + std::to_string(f.size));
   }
+  return file;
+}
+
+}  // namespace
+
+Status VerifyDataFile(Storage* storage, const std::string& path, const ManifestFile& f) {
+  NEBULITE_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, OpenDataFile(storage, path, f));
   std::string buffer(static_cast<size_t>(std::min<uint64_t>(f.size, kVerifyChunkBytes)), '\0');
   uint32_t crc = 0;
   uint64_t offset = 0;
   while (offset < f.size) {
     size_t want = static_cast<size_t>(std::min<uint64_t>(f.size - offset, buffer.size()));
-    NEBULITE_ASSIGN_OR_RETURN(size_t got, storage->ReadAt(path, offset, want, buffer.data()));
+    NEBULITE_ASSIGN_OR_RETURN(size_t got, file->ReadAt(offset, want, buffer.data()));
     if (got != want) {
       return Status::Corruption("data file '" + path + "' shrank while being verified");
     }
@@ -179,17 +297,7 @@ Status ReadDataFile(Storage* storage, const std::string& path, const ManifestFil
     return Status::InvalidArgument("spans of '" + path + "' cover " + std::to_string(expect) +
                                    " bytes, its manifest says " + std::to_string(f.size));
   }
-  Result<uint64_t> size = storage->FileSize(path);
-  if (!size.ok()) {
-    if (size.status().code() == StatusCode::kNotFound) {
-      return Status::Corruption("data file '" + path + "' is missing");
-    }
-    return size.status();
-  }
-  if (*size != f.size) {
-    return Status::Corruption("data file '" + path + "' has " + std::to_string(*size) +
-                              " bytes, its manifest says " + std::to_string(f.size));
-  }
+  NEBULITE_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, OpenDataFile(storage, path, f));
   // Units of work of at most kReadPieceBytes, in file order.
   std::vector<FileSpan> pieces;
   std::vector<size_t> span_of;  // the span each piece belongs to
@@ -211,7 +319,7 @@ Status ReadDataFile(Storage* storage, const std::string& path, const ManifestFil
       scratch.resize(p.size);
       dst = scratch.data();
     }
-    Result<size_t> got = storage->ReadAt(path, p.offset, p.size, dst);
+    Result<size_t> got = file->ReadAt(p.offset, p.size, dst);
     if (!got.ok()) {
       status[i] = got.status();
     } else if (*got != p.size) {

@@ -3,10 +3,12 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cstdio>
 #include <map>
 #include <memory>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "base/test_util.h"
@@ -450,8 +452,9 @@ TEST(CommitProtocolTest, ReadDataFileReadsAndVerifiesInOnePass) {
   EXPECT_EQ(ReadDataFile(s.get(), "t/v/rank0/missing", f, {{0, f.size, got.data()}}, 2).code(),
             StatusCode::kCorruption);
   // Spans that do not tile the file are the caller's mistake.
-  EXPECT_EQ(ReadDataFile(s.get(), path, f, {{0, 10, nullptr}, {11, f.size - 11, nullptr}}, 2).code(),
-            StatusCode::kInvalidArgument);
+  EXPECT_EQ(
+      ReadDataFile(s.get(), path, f, {{0, 10, nullptr}, {11, f.size - 11, nullptr}}, 2).code(),
+      StatusCode::kInvalidArgument);
   EXPECT_EQ(ReadDataFile(s.get(), path, f, {{0, f.size - 1, nullptr}}, 2).code(),
             StatusCode::kInvalidArgument);
   // An empty file.
@@ -540,6 +543,15 @@ TEST(CatalogTest, SkipsCorruptMarkerWithWarning) {
       << catalog->warnings[1];
 }
 
+using Pair = std::pair<std::string, std::string>;
+
+// Retention with a fresh checker; the deleted versions.
+Result<std::vector<Pair>> Retain(Storage* s, uint32_t keep) {
+  VersionChecker checker(s);
+  NEBULITE_ASSIGN_OR_RETURN(RetentionResult r, ApplyRetention(s, keep, &checker));
+  return r.deleted;
+}
+
 TEST(RetentionTest, KeepsNewestBySeq) {
   auto s = NewMemoryStorage();
   ASSERT_TRUE(SaveVersion(s.get(), "global_step9", "v", 1, TwoRanks("a")).ok());
@@ -551,22 +563,21 @@ TEST(RetentionTest, KeepsNewestBySeq) {
   in_progress.version = "w";
   ASSERT_TRUE(WriteManifest(s.get(), in_progress).ok());
 
-  EXPECT_EQ(ApplyRetention(s.get(), 0).status().code(), StatusCode::kInvalidArgument);
-  auto deleted = ApplyRetention(s.get(), 2);
+  EXPECT_EQ(Retain(s.get(), 0).status().code(), StatusCode::kInvalidArgument);
+  auto deleted = Retain(s.get(), 2);
   ASSERT_TRUE(deleted.ok()) << deleted.status().ToString();
-  using Pair = std::pair<std::string, std::string>;
   EXPECT_EQ(*deleted, (std::vector<Pair>{{"global_step9", "v"}, {"checkpoint", "v1"}}));
   EXPECT_EQ(CommittedIds(s.get()), (std::vector<std::string>{"global_step10/v", "checkpoint/v2"}));
   // The uncommitted version was not touched; the emptied tag directory would be removed.
   EXPECT_TRUE(Val(s->Exists(ManifestPath("global_step9", "w", 0))));
   EXPECT_FALSE(Val(s->Exists("checkpoint/v1")));
 
-  deleted = ApplyRetention(s.get(), 1);
+  deleted = Retain(s.get(), 1);
   ASSERT_TRUE(deleted.ok());
   EXPECT_EQ(*deleted, (std::vector<Pair>{{"global_step10", "v"}}));
   EXPECT_FALSE(Val(s->Exists("global_step10")));  // empty tag directory removed
   EXPECT_EQ(CommittedIds(s.get()), (std::vector<std::string>{"checkpoint/v2"}));
-  deleted = ApplyRetention(s.get(), 1);
+  deleted = Retain(s.get(), 1);
   ASSERT_TRUE(deleted.ok());
   EXPECT_TRUE(deleted->empty());
 }
@@ -583,22 +594,137 @@ TEST(RetentionTest, CrashAtEveryOperation) {
     ASSERT_TRUE(SaveVersion(fs.get(), "a", "v", 2, TwoRanks("2")).ok());
     ASSERT_TRUE(SaveVersion(fs.get(), "a", "w", 3, TwoRanks("3")).ok());
     fs->FailAfter(StorageOp::kAny, k, Status::IOError("power cut"));
-    auto deleted = ApplyRetention(fs.get(), 1);
+    auto deleted = Retain(fs.get(), 1);
     fs->ClearFailures();
     fs->Crash();
     const std::vector<std::string> ids = CommittedIds(fs.get());  // all intact
     ASSERT_FALSE(ids.empty());
     EXPECT_EQ(ids.back(), "a/w");
-    if (deleted.ok()) {
+    // Checks that hit the failure count nothing as kept, so retention may end without
+    // deleting; once it deleted both, only the newest is left.
+    if (deleted.ok() && deleted->size() == 2) {
       completed_at = k;
       EXPECT_EQ(ids, (std::vector<std::string>{"a/w"}));
     }
     // Retention can be rerun after the crash and finishes the job.
-    ASSERT_TRUE(ApplyRetention(fs.get(), 1).ok());
+    ASSERT_TRUE(Retain(fs.get(), 1).ok());
     fs->Crash();
     EXPECT_EQ(CommittedIds(fs.get()), (std::vector<std::string>{"a/w"}));
   }
   EXPECT_GT(completed_at, 5);
+}
+
+// A damaged version never counts as one to keep: retention keeps the newest intact ones
+// and never deletes an intact version because of a damaged newer one.
+TEST(RetentionTest, DamagedVersionsDoNotCount) {
+  auto s = NewMemoryStorage();
+  ASSERT_TRUE(SaveVersion(s.get(), "a", "v", 1, TwoRanks("1")).ok());
+  ASSERT_TRUE(SaveVersion(s.get(), "b", "v", 2, TwoRanks("2")).ok());
+  // Damage b in place (same size: only its CRC tells).
+  const std::string path = DataFilePath("b", "v", 1, "model.pt");
+  auto text = s->ReadFile(path, 1 << 20);
+  ASSERT_TRUE(text.ok());
+  std::string flipped = *text;
+  flipped[0] ^= 1;
+  auto f = s->NewWritableFile(path, 0);
+  ASSERT_TRUE(f.ok());
+  ASSERT_TRUE((*f)->WriteAt(0, flipped.data(), flipped.size()).ok());
+  ASSERT_TRUE((*f)->Close().ok());
+  ASSERT_TRUE(SaveVersion(s.get(), "c", "v", 3, TwoRanks("3")).ok());
+  VersionChecker checker(s.get());
+  auto r = ApplyRetention(s.get(), 2, &checker);
+  ASSERT_TRUE(r.ok()) << r.status().ToString();
+  EXPECT_TRUE(r->deleted.empty());  // c and a are the two intact ones: nothing older to drop
+  ASSERT_EQ(r->warnings.size(), 1u);
+  EXPECT_NE(r->warnings[0].find("'b'"), std::string::npos) << r->warnings[0];
+  // Once two newer intact versions exist, the damaged one and the old one go.
+  ASSERT_TRUE(SaveVersion(s.get(), "d", "v", 4, TwoRanks("4")).ok());
+  r = ApplyRetention(s.get(), 2, &checker);
+  ASSERT_TRUE(r.ok());
+  EXPECT_EQ(r->deleted, (std::vector<Pair>{{"a", "v"}, {"b", "v"}}));
+  // A missing file is damage too; a version that lost one is skipped, its elder kept.
+  ASSERT_TRUE(s->Delete(DataFilePath("d", "v", 0, "model.pt")).ok());
+  r = ApplyRetention(s.get(), 1, &checker);
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->deleted.empty());
+  auto catalog = ReadCatalog(s.get());
+  ASSERT_TRUE(catalog.ok());
+  EXPECT_EQ(catalog->entries.size(), 2u);
+}
+
+TEST(RetentionTest, NeverDeletesTheProtectedVersion) {
+  auto s = NewMemoryStorage();
+  ASSERT_TRUE(SaveVersion(s.get(), "a", "v", 5, TwoRanks("1")).ok());
+  ASSERT_TRUE(SaveVersion(s.get(), "b", "v", 9, TwoRanks("2")).ok());
+  VersionChecker checker(s.get());
+  auto r = ApplyRetention(s.get(), 1, &checker, "a", "v");
+  ASSERT_TRUE(r.ok());
+  EXPECT_TRUE(r->deleted.empty());
+}
+
+// The marker never vouches for a file that is not there.
+TEST(CommitProtocolTest, MarkerRequiresEveryFileWithItsSize) {
+  auto s = NewMemoryStorage();
+  Manifest m;
+  m.tag = "t";
+  m.version = "v";
+  m.files.push_back({"gone", 10, 0});
+  ASSERT_TRUE(WriteManifest(s.get(), m).ok());
+  CommitRecord c;
+  c.tag = "t";
+  c.version = "v";
+  c.seq = 1;
+  Status st = WriteCommitMarker(s.get(), c);
+  EXPECT_EQ(st.code(), StatusCode::kCorruption) << st.ToString();
+  EXPECT_NE(st.message().find("t/v/rank0/gone"), std::string::npos) << st.ToString();
+  ASSERT_TRUE(s->WriteFileAtomic(DataFilePath("t", "v", 0, "gone"), "short").ok());
+  EXPECT_EQ(WriteCommitMarker(s.get(), c).code(), StatusCode::kCorruption);
+  EXPECT_FALSE(Val(s->Exists(CommitMarkerPath("t", "v"))));
+  ASSERT_TRUE(s->WriteFileAtomic(DataFilePath("t", "v", 0, "gone"), "0123456789").ok());
+  EXPECT_TRUE(WriteCommitMarker(s.get(), c).ok());
+}
+
+// Commit numbers come from the store: monotonic whatever the caller believes, unique
+// among writers, above every committed version of a store that has no claims yet.
+TEST(CommitProtocolTest, ClaimCommitSeq) {
+  auto s = NewMemoryStorage();
+  ASSERT_TRUE(SaveVersion(s.get(), "old", "v", 41, TwoRanks("1")).ok());
+  EXPECT_EQ(Val(ClaimCommitSeq(s.get(), 1)), 42u);
+  EXPECT_EQ(Val(ClaimCommitSeq(s.get(), 1)), 43u);  // a stale caller still moves forward
+  EXPECT_EQ(Val(ClaimCommitSeq(s.get(), 100)), 100u);
+  EXPECT_EQ(Val(ClaimCommitSeq(s.get(), 7)), 101u);
+  EXPECT_EQ(Val(s->List(".nebulite/seq")).size(), 1u);  // only the newest claim is kept
+  // Concurrent claimants never get the same number.
+  std::vector<uint64_t> got(8);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t)
+    threads.emplace_back([&, t] { got[t] = Val(ClaimCommitSeq(s.get(), 1)); });
+  for (auto& th : threads) th.join();
+  std::sort(got.begin(), got.end());
+  EXPECT_EQ(std::unique(got.begin(), got.end()), got.end());
+  EXPECT_GT(got.front(), 101u);
+}
+
+TEST(CatalogTest, SkipsWhatItCannotReadAndOddEntries) {
+  auto s = NewMemoryStorage();
+  ASSERT_TRUE(SaveVersion(s.get(), "good", "v", 1, TwoRanks("a")).ok());
+  ASSERT_TRUE(s->CreateDirs("odd/v/COMMITTED").ok());  // a directory where a marker goes
+  ASSERT_TRUE(s->CreateDirs(".hidden/v").ok());        // the store's own names are skipped
+  auto catalog = ReadCatalog(s.get());
+  ASSERT_TRUE(catalog.ok()) << catalog.status().ToString();
+  ASSERT_EQ(catalog->entries.size(), 1u);
+  ASSERT_EQ(catalog->warnings.size(), 1u);
+  EXPECT_NE(catalog->warnings[0].find("odd/v/COMMITTED"), std::string::npos);
+}
+
+TEST(CommitProtocolTest, TagsAndVersionsStartingWithADotAreRefused) {
+  EXPECT_EQ(ValidateTag(".hidden").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(ValidateVersionName(".v").code(), StatusCode::kInvalidArgument);
+  EXPECT_TRUE(ValidateTag("global_step.5").ok());
+  Manifest m;
+  m.tag = ".hidden";
+  m.version = "v";
+  EXPECT_EQ(WriteManifest(NewMemoryStorage().get(), m).code(), StatusCode::kInvalidArgument);
 }
 
 }  // namespace

@@ -11,69 +11,18 @@
 #include "nebulite/commit.h"
 #include "nebulite/crc32.h"
 #include "nebulite/fault_storage.h"
+#include "nebulite/stored_archive.h"
+#include "persist/engine_test_util.h"
 
 namespace nebulite {
 namespace {
 
 namespace fs = std::filesystem;
-
-class TempDir {
- public:
-  TempDir() {
-    std::string t = (fs::temp_directory_path() / "nebulite_engine_XXXXXX").string();
-    path_ = mkdtemp(t.data());
-  }
-  ~TempDir() { fs::remove_all(path_); }
-  const std::string& path() const { return path_; }
-
- private:
-  std::string path_;
-};
-
-std::vector<uint8_t> Bytes(size_t n, uint8_t seed) {
-  std::vector<uint8_t> v(n);
-  for (size_t i = 0; i < n; ++i) v[i] = static_cast<uint8_t>(i * 7 + seed + (i >> 12));
-  return v;
-}
-
-struct Object {
-  std::vector<std::vector<uint8_t>> payloads;
-  std::vector<SourceRecord> records;
-};
-
-Object MakeObject(const std::vector<size_t>& sizes, uint8_t seed) {
-  Object o;
-  o.payloads.reserve(sizes.size());
-  for (size_t i = 0; i < sizes.size(); ++i) o.payloads.push_back(Bytes(sizes[i], seed + i));
-  for (size_t i = 0; i < sizes.size(); ++i)
-    o.records.push_back({i == 0 ? "data.pkl" : "data/" + std::to_string(i - 1),
-                         o.payloads[i].data(), o.payloads[i].size()});
-  return o;
-}
-
-EngineOptions Options(const std::string& root, uint64_t memory = 32 << 20) {
-  EngineOptions o;
-  o.persist_root = root;
-  o.memory_bytes = memory;
-  o.prefault = false;
-  o.copy_threads = 2;
-  o.io_threads = 2;
-  return o;
-}
-
-// Reads every record of a persisted data file back and compares it.
-void ExpectStored(Storage* s, const std::string& path, const Object& o) {
-  auto a = StoredArchive::Open(s, path);
-  ASSERT_TRUE(a.ok()) << a.status().ToString();
-  for (size_t i = 0; i < o.records.size(); ++i) {
-    const auto* e = (*a)->index().Find(o.records[i].name);
-    ASSERT_NE(e, nullptr) << o.records[i].name;
-    std::vector<uint8_t> got(e->size);
-    Status rs = (*a)->ReadInto(*e, got.data(), 2);
-    ASSERT_TRUE(rs.ok()) << rs.ToString();
-    EXPECT_EQ(got, o.payloads[i]) << o.records[i].name;
-  }
-}
+using engine_test::ExpectStored;
+using engine_test::MakeObject;
+using engine_test::Object;
+using engine_test::Options;
+using engine_test::TempDir;
 
 TEST(EngineTest, PersistsCommitsAndReadsBack) {
   TempDir dir;
@@ -359,17 +308,27 @@ TEST(EngineTest, StoreFailureIsReportedAndEarlierCommitsStayIntact) {
 namespace nebulite {
 namespace {
 
+using engine_test::ExpectStored;
+using engine_test::MakeObject;
+using engine_test::Object;
+using engine_test::Options;
+using engine_test::TempDir;
+
 std::vector<format::RecordSpec> Specs(const Object& o) {
   std::vector<format::RecordSpec> specs;
   for (const auto& r : o.records) specs.push_back({r.name, r.size});
   return specs;
 }
 
-// Fills a reservation as another process mapping the arena would.
-void Fill(const Engine& e, const Reservation& r, const Object& o) {
+// Fills a reservation as another process mapping the arena would; returns the CRCs.
+std::vector<uint32_t> Fill(const Engine& e, const Reservation& r, const Object& o) {
   uint8_t* image = e.arena().base() + r.arena_offset;
-  for (size_t i = 0; i < o.records.size(); ++i)
+  std::vector<uint32_t> crcs;
+  for (size_t i = 0; i < o.records.size(); ++i) {
     std::memcpy(image + r.records[i].offset, o.payloads[i].data(), o.payloads[i].size());
+    crcs.push_back(Crc32(0, o.payloads[i].data(), o.payloads[i].size()));
+  }
+  return crcs;
 }
 
 TEST(EngineReserveTest, ReservedAndFilledObjectsPersistLikeStagedOnes) {
@@ -383,9 +342,10 @@ TEST(EngineReserveTest, ReservedAndFilledObjectsPersistLikeStagedOnes) {
   EXPECT_EQ(r->arena_offset % 4096, 0u);
   ASSERT_EQ(r->records.size(), 3u);
   EXPECT_EQ(engine.Commit("t", "v", 1, true).code(), StatusCode::kFailedPrecondition);
-  Fill(engine, *r, obj);
-  ASSERT_TRUE(engine.Seal("t", "v", "model", /*persist_now=*/true).ok());
-  EXPECT_EQ(engine.Seal("t", "v", "model", true).code(), StatusCode::kNotFound);
+  auto crcs = Fill(engine, *r, obj);
+  EXPECT_EQ(engine.Seal("t", "v", "model", true, {1, 2}).code(), StatusCode::kInvalidArgument);
+  ASSERT_TRUE(engine.Seal("t", "v", "model", /*persist_now=*/true, crcs).ok());
+  EXPECT_EQ(engine.Seal("t", "v", "model", true, crcs).code(), StatusCode::kNotFound);
   ASSERT_TRUE(engine.Commit("t", "v", 1, true).ok());
   ASSERT_TRUE(engine.Flush(60).ok());
   ExpectStored(engine.storage(), DataFilePath("t", "v", 0, "model"), obj);

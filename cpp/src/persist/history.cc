@@ -1,8 +1,5 @@
 #include "persist/history.h"
 
-#include <fcntl.h>
-#include <unistd.h>
-
 #include <chrono>
 #include <cstdio>
 #include <ctime>
@@ -55,26 +52,20 @@ std::string HistoryLog::FormatRow(const HistoryRow& r) {
 void HistoryLog::Append(const HistoryRow& row) {
   std::lock_guard<std::mutex> lock(mu_);
   rows_.push_back(row);
-  if (root_.empty()) return;
-  std::string path = root_ + "/" + kHistoryFile;
-  // The first writer creates the file with its header; O_APPEND and a single
-  // write() per row keep rows of concurrent ranks whole.
-  int fd = open(path.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-  if (fd >= 0) {
-    std::string h = Header();
-    (void)!write(fd, h.data(), h.size());
-  } else {
-    fd = open(path.c_str(), O_WRONLY | O_APPEND | O_CLOEXEC);
-    if (fd < 0) return;  // the history is best effort; the checkpoint is not affected
+  if (rows_.size() > kHistoryRowsKept) rows_.pop_front();
+  if (!storage_ || storage_->read_only()) return;
+  if (!header_written_) {
+    // The first writer of the store creates the file with its header.
+    Status st = storage_->CreateFileExclusive(kHistoryFile, Header());
+    if (!st.ok() && st.code() != StatusCode::kAlreadyExists) return;
+    header_written_ = true;
   }
-  std::string line = FormatRow(row);
-  (void)!write(fd, line.data(), line.size());
-  close(fd);
+  (void)storage_->AppendToFile(kHistoryFile, FormatRow(row));
 }
 
 std::vector<HistoryRow> HistoryLog::Rows() {
   std::lock_guard<std::mutex> lock(mu_);
-  return rows_;
+  return std::vector<HistoryRow>(rows_.begin(), rows_.end());
 }
 
 }  // namespace nebulite

@@ -1,32 +1,40 @@
-// HistoryLog: appends checkpointHistories.csv rows to a store, one write per row.
+// HistoryLog: appends checkpointHistories.csv rows to a store, one write per row, and
+// keeps the newest rows in memory for History().
 // Columns (stable; documented in docs/format.md): time_utc, tag, version, name, rank,
 // bytes, blocking_seconds, persist_seconds, throughput_mb_s, tier, outcome.
-// Thread-safety: Append() is thread-safe.
+// The history is best effort: a row that cannot be written is dropped from the file
+// (never from memory) and never fails a checkpoint.
+// Thread-safety: Append() and Rows() are thread-safe.
 #pragma once
 
+#include <deque>
+#include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
 #include "nebulite/engine.h"
+#include "nebulite/storage.h"
 
 namespace nebulite {
 
 inline constexpr const char* kHistoryFile = "checkpointHistories.csv";
+inline constexpr size_t kHistoryRowsKept = 10000;  // in memory; the file keeps them all
 
 class HistoryLog {
  public:
-  // `root` is the posix directory for the CSV; empty keeps rows in memory only.
-  explicit HistoryLog(std::string root) : root_(std::move(root)) {}
+  // `storage` receives the CSV (nullptr: rows are kept in memory only).
+  explicit HistoryLog(std::shared_ptr<Storage> storage) : storage_(std::move(storage)) {}
   void Append(const HistoryRow& row);
   std::vector<HistoryRow> Rows();
   static std::string FormatRow(const HistoryRow& row);
   static const char* Header();
 
  private:
-  std::string root_;
+  std::shared_ptr<Storage> storage_;
   std::mutex mu_;
-  std::vector<HistoryRow> rows_;  // GUARDED_BY(mu_)
+  bool header_written_ = false;  // GUARDED_BY(mu_)
+  std::deque<HistoryRow> rows_;  // GUARDED_BY(mu_)
 };
 
 }  // namespace nebulite

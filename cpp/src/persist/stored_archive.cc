@@ -1,22 +1,30 @@
+#include "nebulite/stored_archive.h"
+
 #include <algorithm>
 #include <atomic>
 #include <thread>
 #include <vector>
 
 #include "nebulite/crc32.h"
-#include "nebulite/engine.h"
 
 namespace nebulite {
 
 Result<std::unique_ptr<StoredArchive>> StoredArchive::Open(Storage* storage,
                                                            const std::string& path) {
-  NEBULITE_ASSIGN_OR_RETURN(uint64_t size, storage->FileSize(path));
-  auto read_at = [&](uint64_t off, size_t n, void* dst) {
-    return storage->ReadAt(path, off, n, dst);
-  };
-  auto index = format::ArchiveIndex::Parse(size, read_at);
+  Result<std::unique_ptr<ReadableFile>> opened = storage->NewReadableFile(path);
+  if (!opened.ok()) {
+    if (opened.status().code() == StatusCode::kInvalidArgument) {  // not a regular file
+      return Status::Corruption(path + ": " + opened.status().message());
+    }
+    return opened.status();
+  }
+  std::unique_ptr<ReadableFile> file = std::move(opened).value();
+  ReadableFile* f = file.get();
+  auto read_at = [f](uint64_t off, size_t n, void* dst) { return f->ReadAt(off, n, dst); };
+  auto index = format::ArchiveIndex::Parse(f->size(), read_at);
   if (!index.ok()) return index.status().WithContext(path);
-  return std::unique_ptr<StoredArchive>(new StoredArchive(storage, path, std::move(index).value()));
+  return std::unique_ptr<StoredArchive>(
+      new StoredArchive(std::move(file), path, std::move(index).value()));
 }
 
 Status StoredArchive::ReadInto(const format::RecordEntry& e, void* dst, int threads) const {
@@ -28,7 +36,7 @@ Status StoredArchive::ReadInto(const format::RecordEntry& e, void* dst, int thre
     uint64_t off = i * kPiece, n = std::min<uint64_t>(kPiece, e.size - std::min(e.size, off));
     if (n == 0) return;
     uint8_t* p = static_cast<uint8_t*>(dst) + off;
-    auto got = storage_->ReadAt(path_, e.data_offset + off, n, p);
+    auto got = file_->ReadAt(e.data_offset + off, n, p);
     if (!got.ok()) {
       status[i] = got.status();
       return;

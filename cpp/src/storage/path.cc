@@ -1,4 +1,5 @@
-// Path helpers shared by every driver: validation of components and joining.
+// Path helpers shared by every driver (validation of components, joining) and the
+// non-virtual conveniences of Storage.
 #include <string>
 
 #include "base/utf8.h"
@@ -32,6 +33,22 @@ std::string ParentDir(const std::string& path) {
   size_t pos = path.rfind('/');
   if (pos == std::string::npos) return "";
   return path.substr(0, pos);
+}
+
+std::string BaseName(const std::string& path) {
+  size_t pos = path.rfind('/');
+  return pos == std::string::npos ? path : path.substr(pos + 1);
+}
+
+Result<uint64_t> Storage::FileSize(const std::string& path) {
+  NEBULITE_ASSIGN_OR_RETURN(FileInfo info, Stat(path));
+  if (info.type == FileType::kDirectory) {
+    return Status::InvalidArgument("'" + path + "' is a directory");
+  }
+  if (info.type != FileType::kFile) {
+    return Status::InvalidArgument("'" + path + "' is not a regular file");
+  }
+  return info.size;
 }
 
 }  // namespace nebulite

@@ -133,16 +133,104 @@ TEST_P(StorageConformanceTest, WriteReadRoundTrip) {
   ASSERT_TRUE(size.ok());
   EXPECT_EQ(*size, data.size());
   char buf[100];
-  auto n = s_->ReadAt("a/b/c.bin", 9950, sizeof(buf), buf);
+  auto file = s_->NewReadableFile("a/b/c.bin");
+  ASSERT_TRUE(file.ok()) << file.status().ToString();
+  EXPECT_EQ((*file)->size(), data.size());
+  auto n = (*file)->ReadAt(9950, sizeof(buf), buf);
   ASSERT_TRUE(n.ok());
   EXPECT_EQ(*n, 50u);  // short only at end of file
   EXPECT_EQ(std::string(buf, 50), data.substr(9950));
-  n = s_->ReadAt("a/b/c.bin", 20000, sizeof(buf), buf);
+  n = (*file)->ReadAt(20000, sizeof(buf), buf);
   ASSERT_TRUE(n.ok());
   EXPECT_EQ(*n, 0u);
   EXPECT_EQ(s_->FileSize("missing").status().code(), StatusCode::kNotFound);
   EXPECT_EQ(s_->ReadFile("missing", 10).status().code(), StatusCode::kNotFound);
-  EXPECT_EQ(s_->ReadAt("missing", 0, 1, buf).status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(s_->NewReadableFile("missing").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(s_->NewReadableFile("a/b").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(s_->ReadFile("a/b", 10).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_P(StorageConformanceTest, AReadHandleOutlivesDeletionAndReplacement) {
+  const std::string first = Pattern(50000, 7);
+  Put("v/f", first);
+  auto file = s_->NewReadableFile("v/f");
+  ASSERT_TRUE(file.ok());
+  ASSERT_TRUE(s_->WriteFileAtomic("v/f", "replaced").ok());
+  std::string got(first.size(), '\0');
+  EXPECT_EQ(Val((*file)->ReadAt(0, got.size(), got.data())), first.size());
+  EXPECT_TRUE(got == first);
+  ASSERT_TRUE(s_->DeleteRecursively("v").ok());
+  EXPECT_EQ(Val((*file)->ReadAt(100, 10, got.data())), 10u);
+  EXPECT_EQ(got.substr(0, 10), first.substr(100, 10));
+}
+
+TEST_P(StorageConformanceTest, Stat) {
+  Put("s/f", "12345");
+  FileInfo f = Val(s_->Stat("s/f"));
+  EXPECT_EQ(f.type, FileType::kFile);
+  EXPECT_EQ(f.size, 5u);
+  EXPECT_GT(f.mtime_ns, 0);
+  EXPECT_EQ(Val(s_->Stat("s")).type, FileType::kDirectory);
+  EXPECT_EQ(Val(s_->Stat("")).type, FileType::kDirectory);
+  EXPECT_EQ(s_->Stat("s/missing").status().code(), StatusCode::kNotFound);
+  EXPECT_EQ(s_->Stat("s/f/under_a_file").status().code(), StatusCode::kNotFound);
+  // A file written after another is not older.
+  Put("s/g", "later");
+  EXPECT_GE(Val(s_->Stat("s/g")).mtime_ns, f.mtime_ns);
+}
+
+TEST_P(StorageConformanceTest, CreateFileExclusive) {
+  ASSERT_TRUE(s_->CreateFileExclusive("x/claim", "mine").ok());
+  EXPECT_EQ(Get("x/claim"), "mine");
+  EXPECT_EQ(s_->CreateFileExclusive("x/claim", "theirs").code(), StatusCode::kAlreadyExists);
+  EXPECT_EQ(Get("x/claim"), "mine");
+  EXPECT_EQ(Ls("x"), (std::vector<std::string>{"claim"}));  // no temporary file left
+  // Racing writers: exactly one wins each name.
+  std::vector<int> wins(8, 0);
+  std::vector<std::thread> threads;
+  for (int t = 0; t < 8; ++t) {
+    threads.emplace_back([&, t] {
+      for (int i = 0; i < 20; ++i)
+        if (s_->CreateFileExclusive("race/" + std::to_string(i), std::to_string(t)).ok()) ++wins[t];
+    });
+  }
+  for (auto& th : threads) th.join();
+  int total = 0;
+  for (int w : wins) total += w;
+  EXPECT_EQ(total, 20);
+}
+
+TEST_P(StorageConformanceTest, AppendToFile) {
+  ASSERT_TRUE(s_->AppendToFile("h/log.csv", "a,b\n").ok());
+  ASSERT_TRUE(s_->AppendToFile("h/log.csv", "c,d\n").ok());
+  EXPECT_EQ(Get("h/log.csv"), "a,b\nc,d\n");
+}
+
+TEST_P(StorageConformanceTest, RemoveDirIfEmpty) {
+  Put("e/full/f", "x");
+  ASSERT_TRUE(s_->CreateDirs("e/empty").ok());
+  EXPECT_TRUE(Val(s_->RemoveDirIfEmpty("e/empty")));
+  EXPECT_FALSE(Val(s_->Exists("e/empty")));
+  EXPECT_TRUE(Val(s_->RemoveDirIfEmpty("e/empty")));  // missing: nothing to do
+  EXPECT_FALSE(Val(s_->RemoveDirIfEmpty("e/full")));
+  EXPECT_EQ(Get("e/full/f"), "x");
+  EXPECT_EQ(s_->RemoveDirIfEmpty("").status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_P(StorageConformanceTest, Locks) {
+  auto a = Val(s_->TryLock("locks/run.lock", false));
+  auto b = Val(s_->TryLock("locks/run.lock", false));
+  ASSERT_NE(a, nullptr);
+  ASSERT_NE(b, nullptr);  // shared locks coexist
+  EXPECT_EQ(Val(s_->TryLock("locks/run.lock", true)), nullptr);
+  a.reset();
+  EXPECT_EQ(Val(s_->TryLock("locks/run.lock", true)), nullptr);
+  b.reset();
+  auto x = Val(s_->TryLock("locks/run.lock", true));
+  ASSERT_NE(x, nullptr);
+  EXPECT_EQ(Val(s_->TryLock("locks/run.lock", false)), nullptr);
+  x.reset();
+  EXPECT_NE(Val(s_->TryLock("locks/run.lock", false)), nullptr);
 }
 
 TEST_P(StorageConformanceTest, NewWritableFileTruncates) {

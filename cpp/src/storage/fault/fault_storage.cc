@@ -17,6 +17,10 @@
 //    must therefore make any marker that refers to deleted data disappear durably first.
 //  - WriteFileAtomic() runs the posix protocol (temp file, Sync, Rename, SyncDir) through
 //    this wrapper's own primitives, so failures and crashes can land between the steps.
+//    CreateFileExclusive() creates the file atomically in the base store (undone by a
+//    crash until its directory is synced), then syncs the directory through SyncDir().
+//  - AppendToFile() (the history, best effort) reaches the base store at once.
+//  - Reads through a ReadableFile are operations too: they can fail like any other.
 // Failure injection: FailAfter(op, skip, status) lets `skip` more operations of kind op
 // (kAny: every kind) succeed, then fails each later one without touching the base.
 // Thread-safety: one mutex guards all state and serialises calls to the base store.
@@ -75,6 +79,19 @@ class FaultWritableFile final : public WritableFile {
   std::shared_ptr<OpenFile> file_;
 };
 
+class FaultReadableFile final : public ReadableFile {
+ public:
+  FaultReadableFile(FaultStorageImpl* owner, std::unique_ptr<ReadableFile> base, std::string path)
+      : owner_(owner), base_(std::move(base)), path_(std::move(path)) {}
+  uint64_t size() const override { return base_->size(); }
+  Result<size_t> ReadAt(uint64_t offset, size_t n, void* dst) override;
+
+ private:
+  FaultStorageImpl* owner_;
+  std::unique_ptr<ReadableFile> base_;
+  std::string path_;
+};
+
 class FaultStorageImpl final : public FaultStorage {
  public:
   explicit FaultStorageImpl(Storage* base) : base_(base) {}
@@ -127,6 +144,11 @@ class FaultStorageImpl final : public FaultStorage {
     undo_.clear();
   }
 
+  void SetHook(Hook hook) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    hook_ = std::move(hook);
+  }
+
   int Count(StorageOp op) const override {
     std::lock_guard<std::mutex> lock(mu_);
     return counts_[static_cast<int>(op)];
@@ -135,7 +157,7 @@ class FaultStorageImpl final : public FaultStorage {
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         uint64_t size) override {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kCreate));
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kCreate, path));
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
     NEBULITE_ASSIGN_OR_RETURN(std::vector<std::string> new_dirs,
                               MissingDirsLocked(ParentDir(path)));
@@ -154,7 +176,7 @@ class FaultStorageImpl final : public FaultStorage {
   Status WriteFileAtomic(const std::string& path, const std::string& data) override {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kWriteAtomic));
+      NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kWriteAtomic, path));
     }
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
     const std::string dir = ParentDir(path);
@@ -176,39 +198,60 @@ class FaultStorageImpl final : public FaultStorage {
     return SyncDir(dir);
   }
 
-  Result<uint64_t> FileSize(const std::string& path) override {
-    std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRead));
-    return base_->FileSize(path);
+  Status CreateFileExclusive(const std::string& path, const std::string& data) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kWriteAtomic, path));
+      NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
+      NEBULITE_ASSIGN_OR_RETURN(std::vector<std::string> new_dirs,
+                                MissingDirsLocked(ParentDir(path)));
+      NEBULITE_RETURN_IF_ERROR(base_->CreateFileExclusive(path, data));
+      for (const std::string& d : new_dirs) LogLocked(UndoRecord::Kind::kCreatedDir, d);
+      LogLocked(UndoRecord::Kind::kCreatedFile, path);
+    }
+    return SyncDir(ParentDir(path));
   }
 
-  Result<size_t> ReadAt(const std::string& path, uint64_t offset, size_t n, void* dst) override {
+  Status AppendToFile(const std::string& path, const std::string& data) override {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRead));
-    return base_->ReadAt(path, offset, n, dst);
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kAppend, path));
+    return base_->AppendToFile(path, data);
+  }
+
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRead, path));
+    NEBULITE_ASSIGN_OR_RETURN(auto file, base_->NewReadableFile(path));
+    return std::unique_ptr<ReadableFile>(new FaultReadableFile(this, std::move(file), path));
+  }
+
+  Result<FileInfo> Stat(const std::string& path) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRead, path));
+    return base_->Stat(path);
   }
 
   Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) override {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRead));
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRead, path));
     return base_->ReadFile(path, max_bytes);
   }
 
   Result<bool> Exists(const std::string& path) override {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRead));
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRead, path));
     return base_->Exists(path);
   }
 
   Result<std::vector<std::string>> List(const std::string& dir) override {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRead));
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRead, dir));
     return base_->List(dir);
   }
 
   Status CreateDirs(const std::string& dir) override {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kCreate));
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kCreate, dir));
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(dir, "directory", true));
     NEBULITE_ASSIGN_OR_RETURN(std::vector<std::string> new_dirs, MissingDirsLocked(dir));
     NEBULITE_RETURN_IF_ERROR(base_->CreateDirs(dir));
@@ -218,7 +261,7 @@ class FaultStorageImpl final : public FaultStorage {
 
   Status Rename(const std::string& from, const std::string& to) override {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRename));
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRename, to));
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(from, "rename source", false));
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(to, "rename target", false));
     // Snapshot an overwritten target file so that Crash() can bring it back.
@@ -237,7 +280,7 @@ class FaultStorageImpl final : public FaultStorage {
 
   Status SyncDir(const std::string& dir) override {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kSyncDir));
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kSyncDir, dir));
     NEBULITE_RETURN_IF_ERROR(base_->SyncDir(dir));
     for (UndoRecord& u : undo_) {
       if (ParentDir(u.path) == dir) u.path_dir_synced = true;
@@ -253,7 +296,7 @@ class FaultStorageImpl final : public FaultStorage {
 
   Status Delete(const std::string& path) override {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kDelete));
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kDelete, path));
     std::optional<std::string> old;
     auto content = base_->ReadFile(path, kMaxUndoBytes);
     if (content.ok()) old = std::move(content).value();
@@ -264,14 +307,34 @@ class FaultStorageImpl final : public FaultStorage {
 
   Status DeleteRecursively(const std::string& dir) override {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kDelete));
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kDelete, dir));
     return base_->DeleteRecursively(dir);
+  }
+
+  Result<bool> RemoveDirIfEmpty(const std::string& dir) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kDelete, dir));
+    return base_->RemoveDirIfEmpty(dir);
+  }
+
+  Result<std::unique_ptr<StoreLock>> TryLock(const std::string& path, bool exclusive) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kLock, path));
+    return base_->TryLock(path, exclusive);
+  }
+
+  // Called by FaultReadableFile.
+  Result<size_t> FileRead(ReadableFile& base, const std::string& path, uint64_t offset, size_t n,
+                          void* dst) {
+    std::lock_guard<std::mutex> lock(mu_);
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kRead, path));
+    return base.ReadAt(offset, n, dst);
   }
 
   // Called by FaultWritableFile.
   Status FileWrite(OpenFile& f, uint64_t offset, const void* data, size_t n) {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kWrite));
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kWrite, f.path));
     if (f.dead) return Status::FailedPrecondition("'" + f.path + "' is closed or crashed");
     if (n > 0) f.pending.emplace_back(offset, std::string(static_cast<const char*>(data), n));
     return Status::OK();
@@ -279,7 +342,7 @@ class FaultStorageImpl final : public FaultStorage {
 
   Status FileSync(OpenFile& f) {
     std::lock_guard<std::mutex> lock(mu_);
-    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kSync));
+    NEBULITE_RETURN_IF_ERROR(BeginOpLocked(StorageOp::kSync, f.path));
     if (f.dead) return Status::FailedPrecondition("'" + f.path + "' is closed or crashed");
     // Callers write disjoint ranges; later writes to the same offset replace earlier ones.
     for (const auto& [offset, bytes] : f.pending) {
@@ -299,9 +362,10 @@ class FaultStorageImpl final : public FaultStorage {
 
  private:
   // Counts the operation and decides whether it fails.
-  Status BeginOpLocked(StorageOp op) {
+  Status BeginOpLocked(StorageOp op, const std::string& path) {
     ++counts_[static_cast<int>(op)];
     ++counts_[static_cast<int>(StorageOp::kAny)];
+    if (hook_) NEBULITE_RETURN_IF_ERROR(hook_(op, path));
     if (fail_op_ && (*fail_op_ == StorageOp::kAny || *fail_op_ == op)) {
       if (fail_skip_ > 0) {
         --fail_skip_;
@@ -341,6 +405,7 @@ class FaultStorageImpl final : public FaultStorage {
   std::vector<UndoRecord> undo_;                     // GUARDED_BY(mu_), oldest first
   std::vector<std::weak_ptr<OpenFile>> open_files_;  // GUARDED_BY(mu_)
   std::atomic<uint64_t> temp_counter_{0};
+  Hook hook_;  // GUARDED_BY(mu_)
 };
 
 Status FaultWritableFile::WriteAt(uint64_t offset, const void* data, size_t n) {
@@ -348,6 +413,9 @@ Status FaultWritableFile::WriteAt(uint64_t offset, const void* data, size_t n) {
 }
 Status FaultWritableFile::Sync() { return owner_->FileSync(*file_); }
 Status FaultWritableFile::Close() { return owner_->FileClose(*file_); }
+Result<size_t> FaultReadableFile::ReadAt(uint64_t offset, size_t n, void* dst) {
+  return owner_->FileRead(*base_, path_, offset, n, dst);
+}
 
 }  // namespace
 

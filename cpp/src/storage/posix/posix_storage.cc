@@ -9,6 +9,9 @@
 //   4. fsync() the directory: the rename itself is durable when the call returns.
 // On any failure before step 3 the temporary file is unlinked; the target is untouched.
 //
+// CreateFileExclusive is the same protocol with link() instead of rename() in step 3:
+// link() fails with EEXIST when the target exists, atomically, also on NFS.
+//
 // Data files (NewWritableFile): the file is opened with O_CREAT | O_TRUNC. When direct
 // I/O is enabled a second descriptor is opened with O_DIRECT and serves the WriteAt()
 // calls whose buffer, offset and length are all 4 KiB aligned (the bulk of a tensor
@@ -17,6 +20,17 @@
 // refuses O_DIRECT (tmpfs, some FUSE mounts: EINVAL) silently gets buffered I/O only.
 // Sync() is fdatasync() of both descriptors. No preallocation: the final size is exactly
 // the end of the furthest write.
+//
+// Reading: files are opened with O_NONBLOCK and checked to be regular files before any
+// read, so a FIFO or a device at a data file's path never blocks a reader. A
+// ReadableFile keeps its descriptor: a file deleted or renamed over while it is read
+// stays readable to the end.
+//
+// Locks are flock(2) on a file under the root. On NFS they are shared by every client;
+// on Lustre with localflock and on some FUSE mounts they are node-local.
+//
+// Read-only stores (PosixOptions::read_only) create, probe and write nothing: every
+// change returns PermissionDenied, so a reader works on a mount it cannot write.
 //
 // Directories: missing parents are created with mkdir, and each directory this driver
 // creates is made durable at once by fsyncing its parent. Entries created inside a
@@ -28,6 +42,7 @@
 // for disjoint ranges (pwrite is positional).
 #include <dirent.h>
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/stat.h>
 #include <sys/types.h>
 #include <unistd.h>
@@ -113,7 +128,7 @@ std::string ParentOfFull(const std::string& full) {
 
 // mkdir -p of an absolute or relative OS path. Every directory created here is made
 // durable by fsyncing its parent.
-Status MakeDirs(const std::string& full) {
+Status MakeDirsOnce(const std::string& full) {
   if (full.empty()) return Status::OK();
   struct stat st;
   if (::stat(full.c_str(), &st) == 0) {
@@ -121,7 +136,7 @@ Status MakeDirs(const std::string& full) {
     return Status::FromErrno(ENOTDIR, "create directory '" + full + "'");
   }
   std::string parent = ParentOfFull(full);
-  if (parent != full) NEBULITE_RETURN_IF_ERROR(MakeDirs(parent));
+  if (parent != full) NEBULITE_RETURN_IF_ERROR(MakeDirsOnce(parent));
   if (::mkdir(full.c_str(), 0755) != 0) {
     int err = errno;
     if (err == EEXIST && ::stat(full.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
@@ -132,6 +147,15 @@ Status MakeDirs(const std::string& full) {
   int err = FsyncDirectory(parent);
   if (err != 0) return ErrnoStatus(err, "fsync directory", parent);
   return Status::OK();
+}
+
+// A parent may vanish between its creation and the child's (another process removing
+// an empty tag directory with RemoveDirIfEmpty): start again from the top.
+Status MakeDirs(const std::string& full) {
+  for (int attempt = 0;; ++attempt) {
+    Status st = MakeDirsOnce(full);
+    if (st.code() != StatusCode::kNotFound || attempt == 16) return st;
+  }
 }
 
 class PosixWritableFile final : public WritableFile {
@@ -186,22 +210,101 @@ class PosixWritableFile final : public WritableFile {
   std::atomic<bool> closed_{false};
 };
 
+class PosixReadableFile final : public ReadableFile {
+ public:
+  PosixReadableFile(std::string path, int fd, uint64_t size)
+      : path_(std::move(path)), fd_(fd), size_(size) {}
+  ~PosixReadableFile() override { ::close(fd_); }
+
+  uint64_t size() const override { return size_; }
+
+  Result<size_t> ReadAt(uint64_t offset, size_t n, void* dst) override {
+    size_t done = 0;
+    char* out = static_cast<char*>(dst);
+    while (done < n) {
+      ssize_t r = ::pread(fd_, out + done, n - done, static_cast<off_t>(offset + done));
+      if (r < 0) {
+        if (errno == EINTR) continue;
+        return ErrnoStatus(errno, "read", path_);
+      }
+      if (r == 0) break;  // end of file
+      done += static_cast<size_t>(r);
+    }
+    return done;
+  }
+
+ private:
+  const std::string path_;
+  const int fd_;
+  const uint64_t size_;
+};
+
+class PosixLock final : public StoreLock {
+ public:
+  explicit PosixLock(int fd) : fd_(fd) {}
+  ~PosixLock() override { ::close(fd_); }  // closing the last descriptor drops the flock
+
+ private:
+  const int fd_;
+};
+
+// A FIFO without a reader (ENXIO) or a directory is not a file to write.
+Status OpenForWriteError(int err, const char* what, const std::string& full) {
+  if (err == ENXIO || err == ENODEV || err == EISDIR) {
+    return Status::InvalidArgument("'" + full + "' is not a regular file");
+  }
+  return ErrnoStatus(err, what, full);
+}
+
+// Opens `full` for reading without blocking on a FIFO or a device, and only if it is a
+// regular file. Returns the descriptor and the file's status.
+Result<std::pair<int, struct stat>> OpenRegular(const std::string& full) {
+  int fd = ::open(full.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC | O_NOCTTY);
+  if (fd < 0) {
+    int err = errno;
+    if (err == EISDIR) return Status::InvalidArgument("'" + full + "' is a directory");
+    if (err == ENXIO || err == ENODEV) {
+      return Status::InvalidArgument("'" + full + "' is not a regular file");
+    }
+    return ErrnoStatus(err, "open", full);
+  }
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    int err = errno;
+    ::close(fd);
+    return ErrnoStatus(err, "stat", full);
+  }
+  if (!S_ISREG(st.st_mode)) {
+    ::close(fd);
+    return Status::InvalidArgument("'" + full + "' is " +
+                                   (S_ISDIR(st.st_mode) ? "a directory" : "not a regular file"));
+  }
+  return std::make_pair(fd, st);
+}
+
 class PosixStorage final : public Storage {
  public:
-  PosixStorage(std::string root, bool use_direct_io)
-      : root_(std::move(root)), use_direct_io_(use_direct_io) {}
+  PosixStorage(std::string root, PosixOptions options)
+      : root_(std::move(root)), options_(options) {}
 
   std::string Describe() const override { return "posix:" + root_; }
+  bool read_only() const override { return options_.read_only; }
 
   Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                         uint64_t size) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
+    NEBULITE_RETURN_IF_ERROR(Writable());
     NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(ParentDir(path))));
     std::string full = Full(path);
-    int fd = ::open(full.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) return ErrnoStatus(errno, "create", full);
+    int fd = ::open(full.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK, 0644);
+    if (fd < 0) return OpenForWriteError(errno, "create", full);
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return Status::InvalidArgument("'" + full + "' is not a regular file");
+    }
     int direct_fd = -1;
-    if (use_direct_io_) {
+    if (options_.direct_io) {
       direct_fd = ::open(full.c_str(), O_WRONLY | O_DIRECT | O_CLOEXEC);
       if (direct_fd < 0 && errno != EINVAL) {
         int err = errno;
@@ -213,80 +316,52 @@ class PosixStorage final : public Storage {
   }
 
   Status WriteFileAtomic(const std::string& path, const std::string& data) override {
+    return WriteViaTemp(path, data, /*exclusive=*/false);
+  }
+
+  Status CreateFileExclusive(const std::string& path, const std::string& data) override {
+    return WriteViaTemp(path, data, /*exclusive=*/true);
+  }
+
+  Status AppendToFile(const std::string& path, const std::string& data) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
-    const std::string dir = ParentDir(path);
-    NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(dir)));
-    std::string name = path.substr(dir.empty() ? 0 : dir.size() + 1);
-    // Keep the temporary name under NAME_MAX even for a 255-byte target name.
-    if (name.size() > 200) name.resize(200);
+    NEBULITE_RETURN_IF_ERROR(Writable());
+    NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(ParentDir(path))));
     const std::string full = Full(path);
-    const std::string temp = Full(JoinPath(dir, "." + name + ".tmp." + std::to_string(::getpid()) +
-                                                    "." + std::to_string(++g_temp_counter)));
-    // 1. Write the temporary file.
-    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-    if (fd < 0) return ErrnoStatus(errno, "create", temp);
+    int fd = ::open(full.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
+    if (fd < 0) return OpenForWriteError(errno, "open", full);
     FdCloser closer(fd);
-    auto fail = [&](int err, const char* what) {
-      closer.CloseNow();
-      ::unlink(temp.c_str());
-      return ErrnoStatus(err, what, temp);
-    };
-    if (int err = PwriteFully(fd, data.data(), data.size(), 0); err != 0) return fail(err, "write");
-    // 2. Make its bytes durable.
-    if (::fsync(fd) != 0) return fail(errno, "fsync");
-    if (closer.CloseNow() != 0) return fail(errno, "close");
-    // 3. Atomically replace the target.
-    if (::rename(temp.c_str(), full.c_str()) != 0) {
-      int err = errno;
-      ::unlink(temp.c_str());
-      return ErrnoStatus(err, "rename to '" + full + "' of", temp);
-    }
-    // 4. Make the rename durable.
-    const std::string full_dir = Full(dir);
-    if (int err = FsyncDirectory(full_dir); err != 0) {
-      return ErrnoStatus(err, "fsync directory", full_dir);
-    }
+    struct stat st;
+    if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "stat", full);
+    if (!S_ISREG(st.st_mode))
+      return Status::InvalidArgument("'" + full + "' is not a regular file");
+    // One write() of the whole line: O_APPEND keeps concurrent appenders' lines whole.
+    ssize_t w;
+    do {
+      w = ::write(fd, data.data(), data.size());
+    } while (w < 0 && errno == EINTR);
+    if (w < 0) return ErrnoStatus(errno, "append to", full);
+    if (static_cast<size_t>(w) != data.size())
+      return Status::IOError("short append to '" + full + "'");
+    if (closer.CloseNow() != 0) return ErrnoStatus(errno, "close", full);
     return Status::OK();
   }
 
-  Result<uint64_t> FileSize(const std::string& path) override {
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
     const std::string full = Full(path);
-    struct stat st;
-    if (::stat(full.c_str(), &st) != 0) return ErrnoStatus(errno, "stat", full);
-    if (S_ISDIR(st.st_mode)) return Status::InvalidArgument("'" + full + "' is a directory");
-    return static_cast<uint64_t>(st.st_size);
-  }
-
-  Result<size_t> ReadAt(const std::string& path, uint64_t offset, size_t n, void* dst) override {
-    NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
-    const std::string full = Full(path);
-    int fd = ::open(full.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ErrnoStatus(errno, "open", full);
-    FdCloser closer(fd);
-    size_t done = 0;
-    char* out = static_cast<char*>(dst);
-    while (done < n) {
-      ssize_t r = ::pread(fd, out + done, n - done, static_cast<off_t>(offset + done));
-      if (r < 0) {
-        if (errno == EINTR) continue;
-        return ErrnoStatus(errno, "read", full);
-      }
-      if (r == 0) break;  // end of file
-      done += static_cast<size_t>(r);
-    }
-    return done;
+    NEBULITE_ASSIGN_OR_RETURN(auto opened, OpenRegular(full));
+    return std::unique_ptr<ReadableFile>(
+        new PosixReadableFile(full, opened.first, static_cast<uint64_t>(opened.second.st_size)));
   }
 
   Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
     const std::string full = Full(path);
-    int fd = ::open(full.c_str(), O_RDONLY | O_CLOEXEC);
-    if (fd < 0) return ErrnoStatus(errno, "open", full);
+    NEBULITE_ASSIGN_OR_RETURN(auto opened, OpenRegular(full));
+    const int fd = opened.first;
     FdCloser closer(fd);
-    struct stat st;
-    if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "stat", full);
-    if (S_ISDIR(st.st_mode)) return Status::InvalidArgument("'" + full + "' is a directory");
+    const struct stat& st = opened.second;
     auto too_big = [&] {
       return Status::Corruption("'" + full + "' is larger than the limit of " +
                                 std::to_string(max_bytes) + " bytes");
@@ -313,6 +388,23 @@ class PosixStorage final : public Storage {
     if (done > max_bytes) return too_big();
     out.resize(done);
     return out;
+  }
+
+  Result<FileInfo> Stat(const std::string& path) override {
+    NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "path", true));
+    const std::string full = Full(path);
+    struct stat st;
+    if (::stat(full.c_str(), &st) != 0) {
+      if (errno == ENOTDIR) return Status::NotFound("'" + full + "' does not exist");
+      return ErrnoStatus(errno, "stat", full);
+    }
+    FileInfo info;
+    info.type = S_ISREG(st.st_mode)   ? FileType::kFile
+                : S_ISDIR(st.st_mode) ? FileType::kDirectory
+                                      : FileType::kOther;
+    info.size = static_cast<uint64_t>(st.st_size);
+    info.mtime_ns = static_cast<int64_t>(st.st_mtim.tv_sec) * 1000000000 + st.st_mtim.tv_nsec;
+    return info;
   }
 
   Result<bool> Exists(const std::string& path) override {
@@ -352,12 +444,14 @@ class PosixStorage final : public Storage {
 
   Status CreateDirs(const std::string& dir) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(dir, "directory", true));
+    NEBULITE_RETURN_IF_ERROR(Writable());
     return MakeDirs(Full(dir));
   }
 
   Status Rename(const std::string& from, const std::string& to) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(from, "rename source", false));
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(to, "rename target", false));
+    NEBULITE_RETURN_IF_ERROR(Writable());
     const std::string full_from = Full(from);
     const std::string full_to = Full(to);
     if (::rename(full_from.c_str(), full_to.c_str()) != 0) {
@@ -368,6 +462,7 @@ class PosixStorage final : public Storage {
 
   Status SyncDir(const std::string& dir) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(dir, "directory", true));
+    NEBULITE_RETURN_IF_ERROR(Writable());
     const std::string full = Full(dir);
     if (int err = FsyncDirectory(full); err != 0) return ErrnoStatus(err, "fsync directory", full);
     return Status::OK();
@@ -375,6 +470,7 @@ class PosixStorage final : public Storage {
 
   Status Delete(const std::string& path) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
+    NEBULITE_RETURN_IF_ERROR(Writable());
     const std::string full = Full(path);
     if (::unlink(full.c_str()) != 0 && errno != ENOENT) return ErrnoStatus(errno, "delete", full);
     return Status::OK();
@@ -383,7 +479,47 @@ class PosixStorage final : public Storage {
   Status DeleteRecursively(const std::string& dir) override {
     // Deleting the whole root is never what a caller means.
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(dir, "directory", false));
+    NEBULITE_RETURN_IF_ERROR(Writable());
     return RemoveTree(Full(dir));
+  }
+
+  Result<bool> RemoveDirIfEmpty(const std::string& dir) override {
+    NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(dir, "directory", false));
+    NEBULITE_RETURN_IF_ERROR(Writable());
+    const std::string full = Full(dir);
+    if (::rmdir(full.c_str()) == 0 || errno == ENOENT) return true;
+    if (errno == ENOTEMPTY || errno == EEXIST) return false;
+    if (errno == ENOTDIR) return Status::InvalidArgument("'" + full + "' is not a directory");
+    return ErrnoStatus(errno, "remove directory", full);
+  }
+
+  Result<std::unique_ptr<StoreLock>> TryLock(const std::string& path, bool exclusive) override {
+    NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "lock path", false));
+    const std::string full = Full(path);
+    int fd;
+    if (options_.read_only) {
+      fd = ::open(full.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
+    } else {
+      NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(ParentDir(path))));
+      fd = ::open(full.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_CLOEXEC, 0644);
+    }
+    if (fd < 0) return ErrnoStatus(errno, "open lock", full);
+    struct stat st;
+    if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
+      ::close(fd);
+      return Status::InvalidArgument("lock '" + full + "' is not a regular file");
+    }
+    int rc;
+    do {
+      rc = ::flock(fd, (exclusive ? LOCK_EX : LOCK_SH) | LOCK_NB);
+    } while (rc != 0 && errno == EINTR);
+    if (rc != 0) {
+      int err = errno;
+      ::close(fd);
+      if (err == EWOULDBLOCK) return std::unique_ptr<StoreLock>();
+      return ErrnoStatus(err, "lock", full);
+    }
+    return std::unique_ptr<StoreLock>(new PosixLock(fd));
   }
 
  private:
@@ -391,6 +527,59 @@ class PosixStorage final : public Storage {
     if (path.empty()) return root_;
     if (root_ == "/") return "/" + path;
     return root_ + "/" + path;
+  }
+
+  Status Writable() const {
+    if (!options_.read_only) return Status::OK();
+    return Status::PermissionDenied("the store '" + root_ + "' is opened read-only");
+  }
+
+  // Steps 1-4 of the atomic write protocol (see the top of this file); with `exclusive`,
+  // step 3 is link(), which fails if the target exists, instead of rename().
+  Status WriteViaTemp(const std::string& path, const std::string& data, bool exclusive) {
+    NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
+    NEBULITE_RETURN_IF_ERROR(Writable());
+    const std::string dir = ParentDir(path);
+    NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(dir)));
+    std::string name = BaseName(path);
+    // Keep the temporary name under NAME_MAX even for a 255-byte target name.
+    if (name.size() > 200) name.resize(200);
+    const std::string full = Full(path);
+    const std::string temp = Full(JoinPath(dir, "." + name + ".tmp." + std::to_string(::getpid()) +
+                                                    "." + std::to_string(++g_temp_counter)));
+    // 1. Write the temporary file.
+    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    if (fd < 0) return ErrnoStatus(errno, "create", temp);
+    FdCloser closer(fd);
+    auto fail = [&](int err, const char* what) {
+      closer.CloseNow();
+      ::unlink(temp.c_str());
+      return ErrnoStatus(err, what, temp);
+    };
+    if (int err = PwriteFully(fd, data.data(), data.size(), 0); err != 0) return fail(err, "write");
+    // 2. Make its bytes durable.
+    if (::fsync(fd) != 0) return fail(errno, "fsync");
+    if (closer.CloseNow() != 0) return fail(errno, "close");
+    // 3. Atomically give it its name.
+    if (exclusive) {
+      if (::link(temp.c_str(), full.c_str()) != 0) {
+        int err = errno;
+        ::unlink(temp.c_str());
+        if (err == EEXIST) return Status::AlreadyExists("'" + full + "' already exists");
+        return ErrnoStatus(err, "link to '" + full + "' of", temp);
+      }
+      ::unlink(temp.c_str());
+    } else if (::rename(temp.c_str(), full.c_str()) != 0) {
+      int err = errno;
+      ::unlink(temp.c_str());
+      return ErrnoStatus(err, "rename to '" + full + "' of", temp);
+    }
+    // 4. Make the new name durable.
+    const std::string full_dir = Full(dir);
+    if (int err = FsyncDirectory(full_dir); err != 0) {
+      return ErrnoStatus(err, "fsync directory", full_dir);
+    }
+    return Status::OK();
   }
 
   // Removes `full` and everything below it without following symlinks.
@@ -421,12 +610,13 @@ class PosixStorage final : public Storage {
   }
 
   const std::string root_;
-  const bool use_direct_io_;
+  const PosixOptions options_;
 };
 
 }  // namespace
 
-Result<std::unique_ptr<Storage>> OpenPosixStorage(const std::string& root, bool use_direct_io) {
+Result<std::unique_ptr<Storage>> OpenPosixStorage(const std::string& root,
+                                                  const PosixOptions& options) {
   if (root.empty()) return Status::InvalidArgument("posix storage root is empty");
   if (root.find('\0') != std::string::npos) {
     return Status::InvalidArgument("posix storage root contains a NUL byte");
@@ -435,6 +625,13 @@ Result<std::unique_ptr<Storage>> OpenPosixStorage(const std::string& root, bool 
   while (clean.size() > 1 && clean.back() == '/') clean.pop_back();
 
   struct stat st;
+  if (options.read_only) {
+    if (::stat(clean.c_str(), &st) != 0) return ErrnoStatus(errno, "open storage root", clean);
+    if (!S_ISDIR(st.st_mode)) {
+      return Status::InvalidArgument("storage root '" + clean + "' is not a directory");
+    }
+    return std::unique_ptr<Storage>(new PosixStorage(clean, options));
+  }
   if (::stat(clean.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
     return Status::InvalidArgument("storage root '" + clean + "' is not a directory");
   }
@@ -463,7 +660,7 @@ Result<std::unique_ptr<Storage>> OpenPosixStorage(const std::string& root, bool 
   }
   ::close(fd);
   if (::unlink(probe.c_str()) != 0) return ErrnoStatus(errno, "remove probe file", probe);
-  return std::unique_ptr<Storage>(new PosixStorage(clean, use_direct_io));
+  return std::unique_ptr<Storage>(new PosixStorage(clean, options));
 }
 
 }  // namespace nebulite

@@ -12,6 +12,7 @@
 #include <fstream>
 #include <string>
 
+#include "base/test_util.h"
 #include "nebulite/storage.h"
 
 namespace nebulite {
@@ -91,18 +92,47 @@ TEST_F(PosixStorageTest, UnwritableRootIsPermissionDenied) {
   EXPECT_EQ(sub.status().code(), StatusCode::kPermissionDenied) << sub.status().ToString();
 }
 
-TEST_F(PosixStorageTest, FullDeviceIsNoSpaceOnDevFull) {
-  // /dev/full fails every write with ENOSPC: reach it through a symlink in the store.
-  if (::access("/dev/full", W_OK) != 0) GTEST_SKIP() << "/dev/full is not available";
+TEST_F(PosixStorageTest, OnlyRegularFilesAreData) {
+  // A device or a FIFO where a file is expected is refused without blocking on it.
   auto s = OpenPosixStorage(dir_ + "/root");
   ASSERT_TRUE(s.ok());
-  ASSERT_EQ(::symlink("/dev/full", (dir_ + "/root/full").c_str()), 0);
-  auto f = (*s)->NewWritableFile("full", 0);
-  ASSERT_TRUE(f.ok()) << f.status().ToString();
-  Status st = (*f)->WriteAt(0, "hello", 5);
-  EXPECT_EQ(st.code(), StatusCode::kNoSpace) << st.ToString();
-  EXPECT_NE(st.message().find("full"), std::string::npos) << "the message names the path";
-  (void)(*f)->Close();
+  if (::access("/dev/full", W_OK) == 0) {
+    ASSERT_EQ(::symlink("/dev/full", (dir_ + "/root/full").c_str()), 0);
+    EXPECT_EQ((*s)->NewWritableFile("full", 0).status().code(), StatusCode::kInvalidArgument);
+    EXPECT_EQ((*s)->AppendToFile("full", "x").code(), StatusCode::kInvalidArgument);
+  }
+  ASSERT_EQ(::mkfifo((dir_ + "/root/fifo").c_str(), 0644), 0);
+  EXPECT_EQ((*s)->ReadFile("fifo", 100).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*s)->NewReadableFile("fifo").status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*s)->NewWritableFile("fifo", 0).status().code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ(Val((*s)->Stat("fifo")).type, FileType::kOther);
+  ASSERT_EQ(::mkfifo((dir_ + "/root/lockfifo").c_str(), 0644), 0);
+  EXPECT_EQ((*s)->TryLock("lockfifo", false).status().code(), StatusCode::kInvalidArgument);
+}
+
+TEST_F(PosixStorageTest, ReadOnlyStoreWritesNothing) {
+  ASSERT_EQ(::mkdir((dir_ + "/ro").c_str(), 0755), 0);
+  {
+    auto rw = OpenPosixStorage(dir_ + "/ro");
+    ASSERT_TRUE(rw.ok());
+    ASSERT_TRUE((*rw)->WriteFileAtomic("t/f", "data").ok());
+  }
+  auto s = OpenPosixStorage(dir_ + "/ro", PosixOptions{true, /*read_only=*/true});
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  EXPECT_TRUE((*s)->read_only());
+  EXPECT_EQ(Val((*s)->ReadFile("t/f", 100)), "data");
+  EXPECT_EQ((*s)->WriteFileAtomic("t/g", "x").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ((*s)->NewWritableFile("t/g", 0).status().code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ((*s)->CreateDirs("u").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ((*s)->Delete("t/f").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ((*s)->DeleteRecursively("t").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ((*s)->AppendToFile("t/f", "x").code(), StatusCode::kPermissionDenied);
+  // Nothing was created: no probe, no directory.
+  EXPECT_EQ(Val((*s)->List("")), (std::vector<std::string>{"t"}));
+  // A missing root is NotFound, never created.
+  auto missing = OpenPosixStorage(dir_ + "/nope", PosixOptions{true, true});
+  EXPECT_EQ(missing.status().code(), StatusCode::kNotFound);
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/nope"));
 }
 
 TEST_F(PosixStorageTest, FullFilesystemIsNoSpace) {

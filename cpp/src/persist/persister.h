@@ -1,0 +1,83 @@
+// Persister: writes the versions of one rank to the store in the background, and owns
+// what happens when that fails.
+//
+// Jobs run one at a time, in the order they were queued, on its thread:
+//   object   one data file, from the arena (DataFileWriter::WriteImage; the CRCs computed
+//            while writing are checked against those of the staging copy)
+//   finish   this rank's manifest (WriteManifest); then, with one rank, the commit
+//            (CommitCoordinator::CommitNow); rank 0 of several hands the version to the
+//            coordinator; other ranks are done (they learn of the commit from the marker)
+//   cleanup  the files of a version this rank abandoned (RemoveAbandonedRankFiles)
+// The first time a version touches the store, the persister checks that no commit marker
+// of that name exists (a reused run id must never overwrite a committed version).
+//
+// Failure policy, for every job and for the coordinator (Fail() is the one place):
+//  - the version is marked failed, its error queued for TakeErrors(), a history row
+//    written; jobs of it still queued are skipped;
+//  - before this rank's manifest was attempted, no manifest names this rank's files: the
+//    data files it wrote from memory (which a retry writes again) are removed to give
+//    the space back; streamed and adopted files, which cannot be written again, are kept
+//    for a retry, and stay marked written;
+//  - once the manifest was attempted it may be published (its rename may have happened
+//    even though a later directory sync failed), and with it the files it names: nothing
+//    is removed. The coordinator checks that every file every manifest names exists
+//    before it writes a marker, so a version is never committed torn;
+//  - a commit that failed removes nothing either.
+// Persist() after a failure retries: the objects not written are written again, then the
+// manifest and the commit.
+// Thread-safety: the *Locked methods need the core's mutex; the others take it.
+#pragma once
+
+#include <deque>
+#include <memory>
+#include <string>
+
+#include "persist/background_thread.h"
+#include "persist/engine_core.h"
+
+namespace nebulite {
+
+class Persister {
+ public:
+  explicit Persister(EngineCore* core) : core_(core) {}
+  void Start(std::shared_ptr<EngineCore> keepalive);
+  // Runs what remains of committed versions and clean-ups, drops the writes of versions
+  // not committed, and stops; detaches at `deadline`.
+  void Stop(Clock::time_point deadline);
+
+  void EnqueueObjectLocked(const std::shared_ptr<VersionState>& v, ObjectState* o);
+  // The objects of `v` not written yet, then its finish job.
+  void EnqueueVersionLocked(const std::shared_ptr<VersionState>& v);
+  void EnqueueCleanupLocked(const std::shared_ptr<VersionState>& v);
+  bool IdleLocked() const { return queue_.empty() && !busy_; }
+  // True while a job of `v` is queued or running.
+  bool HasJobsLocked(const VersionState* v) const;
+
+  // The failure policy (see above). Takes the mutex; never call it with the mutex held.
+  void Fail(const std::shared_ptr<VersionState>& v, const Status& st, const std::string& doing,
+            const std::string& object = "");
+
+  // FailedPrecondition if a marker of `v` exists in the store (checked once per version,
+  // when it first touches the store). Takes the mutex.
+  Status CheckNotCommittedInStore(const std::shared_ptr<VersionState>& v);
+
+ private:
+  enum class Kind { kObject, kFinish, kCleanup };
+  struct Job {
+    Kind kind;
+    std::shared_ptr<VersionState> version;
+    ObjectState* object = nullptr;
+  };
+  void Loop();
+  Status WriteObject(const std::shared_ptr<VersionState>& v, ObjectState* o);
+  Status Finish(const std::shared_ptr<VersionState>& v);
+
+  EngineCore* const core_;
+  std::deque<Job> queue_;                  // GUARDED_BY(core_->mu)
+  const VersionState* running_ = nullptr;  // GUARDED_BY(core_->mu)
+  bool busy_ = false;                      // GUARDED_BY(core_->mu)
+  bool stop_ = false;                      // GUARDED_BY(core_->mu)
+  BackgroundThread thread_;
+};
+
+}  // namespace nebulite
