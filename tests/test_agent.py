@@ -217,12 +217,12 @@ def test_a_trainer_killed_between_the_saves_of_a_checkpoint_leaves_nothing(agent
 def test_a_dead_run_is_alive_while_its_agent_works_for_it(agent_env, store):
     nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
     run = nebulite.api._session.run_id
-    assert nebulite.api._run_is_alive(store, run)
+    assert nebulite._core.run_is_alive(store, run)
     nebulite.shutdown()  # this trainer lets go; the agent lets go once it is idle
     deadline = time.monotonic() + 30
-    while nebulite.api._run_is_alive(store, run) and time.monotonic() < deadline:
+    while nebulite._core.run_is_alive(store, run) and time.monotonic() < deadline:
         time.sleep(0.05)
-    assert not nebulite.api._run_is_alive(store, run)
+    assert not nebulite._core.run_is_alive(store, run)
 
 
 def test_malformed_messages_are_refused_and_others_keep_being_served(agent_env, store):
@@ -319,7 +319,8 @@ def test_killing_the_agent_mid_persist_never_exposes_a_torn_checkpoint(agent_env
             rel = nebulite._core.data_file_path(e["tag"], e["version"], 0, name)
             nebulite._core.verify_data_file(store, rel, name, size, crc)
     # A new trainer starts a new agent and goes on.
-    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=512 << 20)
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=512 << 20,
+                  dead_run_grace=0)
     assert nebulite.api._session.engine.agent_pid != pid
     if killed:  # the dead run's partial version was removed by the new run
         assert partial and not any(Path(store, "big", v).exists() for v in partial)

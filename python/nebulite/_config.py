@@ -34,6 +34,9 @@ class Config:
     direct_io: bool = True
     prefault: bool = False
     commit_timeout: float = 600.0
+    # Uncommitted versions of a dead run are removed only once nothing in them changed for
+    # this long (None: an hour, or twice the commit timeout if longer); see nebulite/runs.h.
+    dead_run_grace: float | None = None
     async_staging: bool = False
     agent: bool = True
     agent_idle_exit: float = 60.0
@@ -105,6 +108,12 @@ class Config:
         c.async_staging = bool(flag)
         if "commit_timeout" in more:
             c.commit_timeout = _parse_number("commit_timeout", more.pop("commit_timeout"), float)
+        grace = more.pop("dead_run_grace", None)
+        if grace is None:
+            grace = env.get("NEBULITE_DEAD_RUN_GRACE")
+        c.dead_run_grace = (
+            max(3600.0, 2 * c.commit_timeout) if grace is None
+            else _parse_number("dead_run_grace", grace, float))
         for key in ("rank", "world_size"):
             if key in more:
                 setattr(c, key, _parse_number(key, more.pop(key), int))

@@ -13,10 +13,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import logging
-import fcntl
 import os
-import re
-import shutil
 import sys
 import threading
 import time
@@ -44,8 +41,6 @@ log = logging.getLogger("nebulite")
 COMMIT_EXPLICITLY = -2
 
 _lock = threading.RLock()
-_VERSION_NAME = re.compile(r"^v([0-9a-zA-Z]+)-[0-9]{6,}$")
-_RUNS_DIR = os.path.join(".nebulite", "runs")  # under a store's root; readers ignore it
 
 #: Callers of Checkpoint.load() that get full unpickling when they pass no weights_only.
 #: DeepSpeed's Nebula engine loads DeepSpeed's own state: ZeRO optimizer states hold its
@@ -55,64 +50,35 @@ _RUNS_DIR = os.path.join(".nebulite", "runs")  # under a store's root; readers i
 _FULL_UNPICKLING_CALLERS = frozenset({"deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine"})
 
 
-def _hold_run_lock(root: str, run_id: str) -> int | None:
-    """Takes a shared lock that marks run `run_id` as alive while this process lives
-    (the kernel drops it when the process dies, even by SIGKILL). Node agents working
+def _hold_run_lock(root: str, run_id: str) -> Any:
+    """Marks run `run_id` alive in the store (a shared lock that the kernel drops when the
+    process dies, even by SIGKILL) while the returned lock is held. Node agents working
     for the run hold it too."""
-    try:
-        os.makedirs(os.path.join(root, _RUNS_DIR), exist_ok=True)
-        fd = os.open(os.path.join(root, _RUNS_DIR, f"{run_id}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return fd
-    except OSError as e:  # a store without locks: dead runs' leftovers are then kept
-        log.warning("nebulite: cannot lock %s (%s); leftovers of dead runs are not removed", root, e)
-        return None
+    deadline = time.monotonic() + 5
+    while True:
+        try:
+            lock = _core.hold_run(root, run_id)
+        except NebuliteError as e:  # a store without locks: dead runs' leftovers are kept
+            log.warning("nebulite: cannot lock %s (%s); leftovers of dead runs are not removed", root, e)
+            return None
+        if lock is not None or time.monotonic() > deadline:
+            return lock
+        time.sleep(0.01)  # a clean-up is deciding about this run id right now
 
 
-def _run_is_alive(root: str, run_id: str) -> bool:
-    path = os.path.join(root, _RUNS_DIR, f"{run_id}.lock")
-    try:
-        fd = os.open(path, os.O_RDWR)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        return True
-    except OSError:
-        return True  # cannot tell: assume alive, delete nothing
-    finally:
-        os.close(fd)
-    return False
-
-
-def _remove_dead_runs_versions(root: str, run_id: str) -> None:
-    """Deletes uncommitted versions whose run has died (its lock is free): a crash
-    mid-save leaves them invisible to readers but holding space. Versions of live runs,
+def _remove_dead_runs_versions(root: str, run_id: str, grace: float) -> None:
+    """Deletes uncommitted versions left by runs that died: their lock is free and nothing
+    in them changed for `grace` seconds (see nebulite/runs.h). Versions of live runs,
     another trainer's or this one's, are never touched."""
-    alive: dict[str, bool] = {run_id: True}
-    for tag in os.listdir(root):
-        tag_dir = os.path.join(root, tag)
-        if tag.startswith(".") or not os.path.isdir(tag_dir):
-            continue
-        for version in os.listdir(tag_dir):
-            m = _VERSION_NAME.match(version)
-            vdir = os.path.join(tag_dir, version)
-            if not m or os.path.exists(os.path.join(vdir, "COMMITTED")):
-                continue
-            rid = m.group(1)
-            if rid not in alive:
-                alive[rid] = _run_is_alive(root, rid)
-            if alive[rid]:
-                continue
-            log.info("nebulite: removing %s, left uncommitted by a run that died", vdir)
-            shutil.rmtree(vdir, ignore_errors=True)
-    for rid, live in alive.items():
-        if not live:
-            try:
-                os.unlink(os.path.join(root, _RUNS_DIR, f"{rid}.lock"))
-            except OSError:
-                pass
+    try:
+        removed, problems = _core.remove_dead_runs(root, run_id, grace)
+    except NebuliteError as e:
+        log.warning("nebulite: leftovers of dead runs in %s are kept: %s", root, e)
+        return
+    for path in removed:
+        log.info("nebulite: removed %s, left uncommitted by a run that died", path)
+    for p in problems:
+        log.warning("nebulite: %s", p)
 
 
 @dataclass
@@ -133,8 +99,9 @@ class _Session:
         run_id = os.environ.get("NEBULITE_RUN_ID")
         if not run_id and self.world_size > 1 and not _dist.initialized():
             raise InvalidArgumentError(
-                "world_size > 1 without torch.distributed: set NEBULITE_RUN_ID to the same "
-                "value in every rank (or initialise torch.distributed before nebulite.init)"
+                "world_size > 1 without torch.distributed: set NEBULITE_RUN_ID, in every rank, "
+                "to a value unique to this job (letters and digits, such as the scheduler's job "
+                "id), or initialise torch.distributed before nebulite.init"
             )
         # A single-rank session (say, the global rank 0 that saves everything for
         # Lightning's DDP) never talks to the other ranks, even with torch.distributed up.
@@ -166,30 +133,46 @@ class _Session:
 
     def _finish_init(self) -> None:
         self._shared_memory: bool | None = None
-        self._run_lock: int | None = None
-        self.counter = 0
+        self._run_lock: Any = None
         self.pending: list[Any] = []  # record sets whose deferred copies may be running
         self.open: dict[str, _OpenVersion] = {}
         self.last_persist: float | None = None
+        # Version names continue after every one of this run's in the store and in the
+        # agent's memory (a run id may be reused), and are never reused within the run.
+        self.counter = 0
         self.seq = 0
-        # Commit order continues after everything visible: the store and the agent's memory.
-        self.seq = max((v["seq"] for v in self.engine.versions()), default=0)
+        for v in self.engine.versions():
+            self.seq = max(self.seq, int(v["seq"]))
+            parsed = _core.parse_version_name(v["version"])
+            if parsed and parsed[0] == self.run_id:
+                self.counter = max(self.counter, parsed[1])
         if self.root:
+            # Commit order continues after everything visible.
             entries, _ = _core.read_catalog(self.root)
-            self.seq = max([self.seq] + [e["seq"] for e in entries])
+            self.seq = max([self.seq, _core.newest_claimed_seq(self.root)] + [e["seq"] for e in entries])
+            # Ranks that do not talk to each other (no torch.distributed) must agree without
+            # talking: only committed versions count for them (none of this run can commit
+            # before every rank started), so give such a job a run id of its own.
+            self.counter = max(self.counter, _core.highest_version_counter(
+                self.root, self.run_id, committed_only=self.world_size > 1 and not self.coordinated))
             # A run is alive while its trainers live or an agent still works for it (the
             # agent holds the run's lock until what it committed is in the store).
             if self.rank == 0:
                 self._run_lock = _hold_run_lock(self.root, self.run_id)
-                _remove_dead_runs_versions(self.root, self.run_id)
+                _remove_dead_runs_versions(self.root, self.run_id, self.config.dead_run_grace)
 
     @property
     def root(self) -> str | None:
         return self.config.persistent_storage_path
 
+    @property
+    def coordinated(self) -> bool:
+        """True when several ranks decide together through torch.distributed."""
+        return self.world_size > 1 and _dist.initialized()
+
     def new_version(self, tag: str) -> _OpenVersion:
         self.counter += 1
-        v = _OpenVersion(tag, f"v{self.run_id}-{self.counter:06d}")
+        v = _OpenVersion(tag, _core.version_name(self.run_id, self.counter))
         self.open[tag] = v
         return v
 
@@ -207,12 +190,13 @@ class _Session:
         return self._shared_memory
 
     def close(self) -> None:
-        """Drains pending persistence, then lets the run's lock go."""
+        """Drains pending persistence (for at most the commit timeout), then lets the
+        run's lock go."""
         try:
             self.engine.close(self.config.commit_timeout)
         finally:
             if self._run_lock is not None:
-                os.close(self._run_lock)
+                self._run_lock.release()
                 self._run_lock = None
 
     def wait_staged(self) -> None:
@@ -221,13 +205,35 @@ class _Session:
             self.engine.wait_staged()
             self.pending.clear()
 
+    def take_background_errors(self) -> list[tuple[str, str]]:
+        return [(str(c), str(m)) for c, m in self.engine.take_errors()]
+
     def raise_background_errors(self) -> None:
-        errors = self.engine.take_errors()
-        if not errors:
+        """Raises what failed in the background on this rank. With several coordinated
+        ranks, use raise_background_errors_together() in calls every rank makes."""
+        _raise_persist_errors(self.take_background_errors())
+
+    def raise_background_errors_together(self) -> None:
+        """In a call every rank makes (commit, get_latest_checkpoint): if any rank has a
+        background error, every rank raises the same PersistError, naming each rank's
+        errors. One small collective; a second one only when something failed."""
+        errors = self.take_background_errors()
+        if not self.coordinated:
+            _raise_persist_errors(errors)
             return
-        text = "; ".join(f"{code}: {msg}" for code, msg in errors)
-        cls = StorageFullPersistError if any(c == "NoSpace" for c, _ in errors) else PersistError
-        raise cls(f"background persistence failed: {text}", errors)
+        if not _dist.all_reduce_max([int(bool(errors))])[0]:
+            return
+        everyone = _dist.all_gather(errors)
+        _raise_persist_errors([(c, f"rank {r}: {m}") for r, errs in enumerate(everyone)
+                               for c, m in errs])  # type: ignore[union-attr]
+
+
+def _raise_persist_errors(errors: list[tuple[str, str]]) -> None:
+    if not errors:
+        return
+    text = "; ".join(f"{code}: {msg}" for code, msg in errors)
+    cls = StorageFullPersistError if any(c == "NoSpace" for c, _ in errors) else PersistError
+    raise cls(f"background persistence failed: {text}", errors)
 
 
 _session: _Session | None = None
@@ -258,7 +264,9 @@ def init(
         num_of_version_in_retention: committed versions kept (default 2; 0 keeps all).
         **more: ``memory_buffer_size`` (bytes; default ``$NEBULA_MEMORY_BUFFER_SIZE``,
             else a quarter of RAM), ``io_threads``, ``copy_threads``, ``direct_io``,
-            ``prefault``, ``commit_timeout`` (seconds), ``rank``, ``world_size``,
+            ``prefault``, ``commit_timeout`` (seconds), ``dead_run_grace`` (seconds; default
+            ``$NEBULITE_DEAD_RUN_GRACE``, else an hour: how long an uncommitted version of a
+            run that died stays untouched before it is removed), ``rank``, ``world_size``,
             ``async_staging`` (default ``$NEBULITE_ASYNC_STAGING``, else False: copy
             parameters and optimizer state after save() returns; see nebulite._staging).
 
@@ -329,7 +337,10 @@ os.register_at_fork(after_in_child=_forget_session_in_child)
 def _validate(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise InvalidArgumentError(f"{what} must be a string, got {type(value).__name__}")
-    _core.validate_component(value, what)
+    if what == "tag":
+        _core.validate_tag(value)  # a path component not starting with '.'
+    else:
+        _core.validate_component(value, what)
     return value
 
 
@@ -375,7 +386,8 @@ class Checkpoint:
         _validate(name, "name")
         with _lock:
             s = _require_session()
-            s.raise_background_errors()
+            if not s.coordinated:  # else raised by every rank at once, at the commit
+                s.raise_background_errors()
             v = s.open.get(self.tag)
             created = v is None
             if v is None:
@@ -390,8 +402,11 @@ class Checkpoint:
                 # unless more objects of this checkpoint follow (num_files): writing would
                 # compete with staging them for cores and memory bandwidth and lengthen the
                 # training stall; committing after the last one starts writing them all.
+                # With coordinated ranks the version's name is settled at the commit (rank 0
+                # decides), so nothing is written under it before.
                 last = self.num_files <= 0 or len(v.names) + 1 >= self.num_files
-                persist_now = bool(s.root) and s.config.persistent_time_interval == 0 and last
+                persist_now = (bool(s.root) and s.config.persistent_time_interval == 0 and last
+                               and not s.coordinated)
                 s.engine.stage(self.tag, v.version, name, records.records, persist_now)
             except BaseException:
                 if created:  # nothing of this version was staged: forget it
@@ -405,17 +420,21 @@ class Checkpoint:
 
     def commit(self) -> bool:
         """Completes the checkpoint. Returns True once it is committed (in memory at
-        once; in the store in the background when it is due to be persisted)."""
+        once; in the store in the background when it is due to be persisted). With several
+        ranks every rank calls it: a background error of any rank is raised by all."""
         with _lock:
             s = _require_session()
-            s.raise_background_errors()
+            s.raise_background_errors_together()
             return self._commit_locked(s)
 
     def _commit_locked(self, s: _Session) -> bool:
         v = s.open.get(self.tag)
         if v is None:
             if s.world_size > 1:
-                v = s.new_version(self.tag)  # this rank saved nothing but takes part
+                # This rank saved nothing but takes part; coordinated ranks other than 0
+                # take rank 0's name for the version below.
+                if s.rank == 0 or not s.coordinated:
+                    v = s.new_version(self.tag)
             else:
                 if any(x["tag"] == self.tag for x in s.engine.versions()):
                     return True  # already completed by its num_files
@@ -425,11 +444,29 @@ class Checkpoint:
         due = bool(s.root) and (
             s.last_persist is None or now - s.last_persist >= s.config.persistent_time_interval
         )
-        must_here = int(s.engine.must_persist(self.tag, v.version))
-        if _dist.initialized() and s.world_size > 1:
-            # Rank 0's clock decides for everyone, and rank 0 numbers the commit.
-            mine = [int(due) if s.rank == 0 else 0, must_here, s.seq + 1 if s.rank == 0 else 0]
-            due_all, must, seq = _dist.all_reduce_max(mine)
+        must_here = int(v is not None and s.engine.must_persist(self.tag, v.version))
+        if s.rank == 0:
+            # The commit order continues after every commit this process can see, its own
+            # engine's and the store's (an agent of an earlier run may have committed since).
+            s.seq = max([s.seq] + [int(x["seq"]) for x in s.engine.versions()])
+            if s.root:
+                s.seq = max(s.seq, _core.newest_claimed_seq(s.root))
+        mine = _core.parse_version_name(v.version)[1] if v is not None else 0
+        if s.coordinated:
+            # Rank 0's clock decides for everyone, rank 0 numbers the commit, and rank 0's
+            # name for the version is everyone's (a rank that saved nothing, or whose
+            # counter moved on a failed save, takes it).
+            due_all, must, seq, number = _dist.all_reduce_max(
+                [int(due) if s.rank == 0 else 0, must_here, s.seq + 1 if s.rank == 0 else 0,
+                 mine if s.rank == 0 else 0])
+            agreed = _core.version_name(s.run_id, number)
+            if v is None:
+                v = _OpenVersion(self.tag, agreed)
+                s.open[self.tag] = v
+            elif v.version != agreed:
+                s.engine.rename_version(self.tag, v.version, agreed)
+                v.version = agreed
+            s.counter = max(s.counter, number)
         else:
             # Ranks given explicitly, without torch.distributed: each decides alike.
             due_all, must, seq = int(due), must_here, s.seq + 1
@@ -604,20 +641,27 @@ def _available_memory() -> int:
         return 0
 
 
-def _verify(root: str, entry: dict[str, Any], prefetch_rank: int | None = None) -> bool:
-    """Checks every rank's manifest and data file (size and CRC); cached per process.
+def _verify(root: str, entry: dict[str, Any], ranks: list[int] | None = None,
+            prefetch_rank: int | None = None) -> bool:
+    """Checks the manifests and data files of `ranks` (default: every rank) of a committed
+    version: size and CRC.
 
-    With `prefetch_rank`, that rank's files are read into the buffers a load returns while
-    they are checked (entry["prefetched"], held by the handle until loaded): loading them
-    right after reads nothing twice. Files larger than half the available memory are only
-    checked, and loaded from the store later."""
-    key = (root, entry["tag"], entry["version"])
+    A definitive answer (intact, or damaged) is remembered for the life of the process; an
+    error that may pass (EIO, ESTALE, EACCES, a version deleted meanwhile) is not: the
+    version is skipped this time only. With `prefetch_rank`, that rank's files are read
+    into the buffers a load returns while they are checked (entry["prefetched"], held by
+    the handle until loaded): loading them right after reads nothing twice. Files larger
+    than half the available memory are only checked, and loaded from the store later."""
+    world = int(entry["world_size"])
+    ranks = list(range(world)) if ranks is None else ranks
+    key = (root, entry["tag"], entry["version"], tuple(ranks))
     if key in _verified:
         return _verified[key]
-    ok = True
     prefetched: dict[str, Any] = {}
+    where = os.path.join(root, entry["tag"], entry["version"])
     try:
-        for r in range(int(entry["world_size"])):
+        # This rank's own files first: those are the ones a load reads.
+        for r in sorted(ranks, key=lambda r: r != prefetch_rank):
             m = _core.read_manifest(root, entry["tag"], entry["version"], r)
             if r == prefetch_rank and sum(f[1] for f in m["files"]) > _available_memory() // 2:
                 prefetch_rank = None  # too large to hold before it is loaded: check it only
@@ -629,17 +673,19 @@ def _verify(root: str, entry: dict[str, Any], prefetch_rank: int | None = None) 
                         prefetched[name] = buffers
                 else:
                     _core.verify_data_file(root, path, name, size, crc)
-    except (CorruptCheckpointError, NotFoundError, OSError) as e:
-        warnings.warn(
-            f"nebulite: skipping damaged checkpoint {entry['tag']!r} "
-            f"({os.path.join(root, entry['tag'], entry['version'])}): {e}",
-            stacklevel=4,
-        )
-        ok = False
-    if ok and prefetched:
+    except CorruptCheckpointError as e:
+        warnings.warn(f"nebulite: skipping damaged checkpoint {entry['tag']!r} ({where}): {e}",
+                      stacklevel=4)
+        _verified[key] = False
+        return False
+    except (NotFoundError, OSError) as e:
+        warnings.warn(f"nebulite: skipping checkpoint {entry['tag']!r} ({where}) for now, it "
+                      f"cannot be read: {e}", stacklevel=4)
+        return False
+    if prefetched:
         entry["prefetched"] = prefetched
-    _verified[key] = ok
-    return ok
+    _verified[key] = True
+    return True
 
 
 def _store_entries(root: str) -> list[dict[str, Any]]:
@@ -687,7 +733,8 @@ def _candidates(persist_path: str | os.PathLike[str] | None) -> list[dict[str, A
         for e in _store_entries(root):
             held = memory_keys.get((e["tag"], e["version"]))
             if held is not None:
-                held["in_store"] = True  # committed in the store too
+                held["in_store"] = True  # committed in the store too: the store's order
+                held["seq"] = e["seq"]
             else:
                 out.append(e)
     out.sort(key=lambda e: e["seq"], reverse=True)
@@ -705,35 +752,39 @@ def _handle(entry: dict[str, Any]) -> Checkpoint:
 
 
 def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoint:
+    """The newest of `entries` (newest first) that can be loaded. Alone, this process checks
+    every file of each candidate. Coordinated ranks each check only their own share of the
+    files (the ranks of the version congruent to theirs), newest first, and agree with one
+    small collective per round: each proposes its newest usable commit; when the proposals
+    differ, the oldest of them bounds the next round."""
     s = _session
-    if not agree or s is None or s.world_size == 1 or not _dist.initialized():
-        # This process decides alone: check the newest first and stop at the first intact
-        # one, reading this rank's files into the buffers its load() will hand out.
-        rank = s.rank if s is not None else 0
+    rank = s.rank if s is not None else 0
+    if not agree or s is None or not s.coordinated:
         for e in entries:
             if e["tier"] == "memory" or _verify(
                     e["root"], e, prefetch_rank=rank if rank < int(e["world_size"]) else None):
                 return _handle(e)
         return Checkpoint("", _committed=None)
-    usable = [e for e in entries if e["tier"] == "memory" or _verify(e["root"], e)]
-    usable = _agreed(usable)
-    return _handle(usable[0]) if usable else Checkpoint("", _committed=None)
-
-
-def _agreed(usable: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """With several ranks, the candidates every rank can load, found with one collective.
-
-    A version held only in memory is loadable by every rank only when all ranks share one
-    node's agent; otherwise it counts once it is committed in the store. Every rank calls
-    get_latest_checkpoint()/get_checkpoint() (as DeepSpeed does), so all take part."""
-    s = _session
-    if s is None or s.world_size == 1 or not _dist.initialized():
-        return usable
     shared = s.memory_shared_by_all_ranks()
-    mine = [e for e in usable if e["tier"] != "memory" or shared or e.get("in_store")]
-    everyone = _dist.all_gather([int(e["seq"]) for e in mine])
-    common = set.intersection(*(set(x) for x in everyone))  # type: ignore[arg-type]
-    return [e for e in mine if int(e["seq"]) in common]
+
+    def usable(e: dict[str, Any]) -> bool:
+        if e["tier"] == "memory":
+            # Held in memory: loadable by every rank when they share one node's agent, or
+            # once it is committed in the store too.
+            return shared or bool(e.get("in_store"))
+        world = int(e["world_size"])
+        mine = [r for r in range(world) if r % s.world_size == s.rank]
+        return _verify(e["root"], e, mine, prefetch_rank=s.rank if s.rank < world else None)
+
+    bound: int | None = None
+    while True:
+        found = next((e for e in entries
+                      if (bound is None or int(e["seq"]) <= bound) and usable(e)), None)
+        proposal = int(found["seq"]) if found is not None else 0
+        newest, minus_oldest = _dist.all_reduce_max([proposal, -proposal])
+        if newest == -minus_oldest:
+            return _handle(found) if found is not None else Checkpoint("", _committed=None)
+        bound = -minus_oldest
 
 
 def get_latest_checkpoint(persist_path: str | os.PathLike[str] | None = None) -> Checkpoint:
@@ -741,7 +792,7 @@ def get_latest_checkpoint(persist_path: str | os.PathLike[str] | None = None) ->
     with a warning. ``.tag`` is ``''`` when there is none."""
     with _lock:
         if _session is not None:
-            _session.raise_background_errors()
+            _session.raise_background_errors_together()
         return _first_intact(_candidates(persist_path))
 
 
@@ -762,10 +813,20 @@ def get_checkpoint(
 
 
 def list_checkpoints(persist_path: str | os.PathLike[str] | None = None) -> list[dict[str, Any]]:
-    """Every committed checkpoint visible here, newest first, as JSON-serialisable dicts."""
+    """Every committed checkpoint visible here, newest first, as JSON-serialisable dicts.
+    ``damaged`` is None, or why the checkpoint's manifests cannot be read (its ``names``
+    are then empty)."""
     with _lock:
         out = []
         for e in _candidates(persist_path):
+            damaged = None
+            if e["tier"] == "memory":
+                names = list(e.get("names", []))
+            else:
+                try:
+                    names = _handle(e).list_names()
+                except (CorruptCheckpointError, NotFoundError, OSError) as ex:
+                    names, damaged = [], str(ex)  # listed all the same: never raise here
             out.append(
                 {
                     "tag": e["tag"],
@@ -774,8 +835,9 @@ def list_checkpoints(persist_path: str | os.PathLike[str] | None = None) -> list
                     "tier": e["tier"],
                     "persisted": bool(e.get("persisted", e["tier"] == "persistent")),
                     "committed_unix_ns": int(e.get("time_unix_ns", 0)),
-                    "names": list(e.get("names", [])) if e["tier"] == "memory" else _handle(e).list_names(),
+                    "names": names,
                     "path": os.path.join(e["root"], e["tag"], e["version"]) if e["tier"] == "persistent" else None,
+                    "damaged": damaged,
                 }
             )
         return out

@@ -222,20 +222,31 @@ class AgentEngine:
             self._call("adopt", tag=tag, version=version, name=name, size=size, crc32=crc)
             return size, time.perf_counter() - t0, True, False
         image = self._base + int(r["offset"])
-        now, later = [], []
-        for (_, src, size, *flags), (_, off, _) in zip(records, r["records"]):
+        # Each record's CRC-32 is computed while it is copied and handed over with the seal;
+        # the agent checks it again when it writes the file (a stray write into the shared
+        # memory between the two is caught there).
+        crcs = [0] * len(records)
+        now, now_index, later, later_index = [], [], [], []
+        for i, ((_, src, size, *flags), (_, off, _)) in enumerate(zip(records, r["records"])):
             if size:
-                (later if flags and flags[0] else now).append((image + int(off), src, size))
+                if flags and flags[0]:
+                    later.append((image + int(off), src, size))
+                    later_index.append(i)
+                else:
+                    now.append((image + int(off), src, size))
+                    now_index.append(i)
         try:
-            _core.copy_many(now)
+            for i, crc in zip(now_index, _core.copy_many(now, crc=True)):
+                crcs[i] = crc
         except BaseException:
             self._call("discard", tag=tag, version=version, name=name)
             raise
-        seal = {"tag": tag, "version": version, "name": name, "persist_now": persist_now}
+        seal = {"tag": tag, "version": version, "name": name, "persist_now": persist_now,
+                "crcs": crcs}
         if later:
             # Copied after save() returns; the next optimizer step waits for it (the
             # trainer's sources stay alive until then). Sealed once copied.
-            self._submit(("copy_and_seal", later, seal))
+            self._submit(("copy_and_seal", later, later_index, seal))
             return int(r["bytes"]), time.perf_counter() - t0, False, True
         if self._jobs:
             self._submit(("call", "seal", seal))
@@ -261,13 +272,15 @@ class AgentEngine:
             try:
                 if self._job_error is None:  # after a failure, the rest is dropped
                     if job[0] == "copy_and_seal":
+                        _, spans, index, seal = job
                         try:
-                            _core.copy_many(job[1])
+                            for i, crc in zip(index, _core.copy_many(spans, crc=True)):
+                                seal["crcs"][i] = crc
                         except BaseException:
-                            self._call("discard", tag=job[2]["tag"], version=job[2]["version"],
-                                       name=job[2]["name"])
+                            self._call("discard", tag=seal["tag"], version=seal["version"],
+                                       name=seal["name"])
                             raise
-                        self._call("seal", **job[2])
+                        self._call("seal", **seal)
                     else:
                         self._call(job[1], **job[2])
             except BaseException as e:  # raised to the trainer by its next call
@@ -295,6 +308,10 @@ class AgentEngine:
             self._submit(("call", "commit", fields))
         else:
             self._call("commit", **fields)
+
+    def rename_version(self, tag: str, old: str, new: str) -> None:
+        self.wait_staged()
+        self._call("rename_version", tag=tag, old=old, new=new)
 
     def persist(self, tag: str, version: str) -> None:
         self.wait_staged()

@@ -1,4 +1,4 @@
-"""Wire format between trainers and the agent (version 1).
+"""Wire format between trainers and the agent (version 2).
 
 Every message is a 4-byte little-endian length followed by that many bytes of UTF-8
 JSON (an object). Requests carry ``op``; replies carry ``ok`` and either the result
@@ -14,7 +14,7 @@ import socket
 import struct
 from typing import Any
 
-VERSION = 1
+VERSION = 2
 MAX_MESSAGE = 16 << 20
 _LEN = struct.Struct("<I")
 

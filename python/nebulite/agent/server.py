@@ -17,7 +17,6 @@ import fcntl
 import logging
 import os
 import re
-import shutil
 import socket
 import struct
 import sys
@@ -149,15 +148,17 @@ class Agent:
             if run in self.runs:
                 self.runs[run][1] += 1
                 return
-            try:
-                d = os.path.join(self.root, ".nebulite", "runs")
-                os.makedirs(d, exist_ok=True)
-                fd = os.open(os.path.join(d, f"{run}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
-                fcntl.flock(fd, fcntl.LOCK_SH)
-            except OSError as e:
-                log.warning("cannot lock run %s: %s", run, e)
-                fd = -1
-            self.runs[run] = [fd, 1]
+            lock = None
+            for _ in range(100):  # None while a clean-up decides about the run: retry
+                try:
+                    lock = _core.hold_run(self.root, run)
+                except errors.NebuliteError as e:
+                    log.warning("cannot lock run %s: %s", run, e)
+                    break
+                if lock is not None:
+                    break
+                time.sleep(0.01)
+            self.runs[run] = [lock, 1]
 
     def _release_run(self, run: str) -> None:
         with self.lock:
@@ -167,14 +168,14 @@ class Agent:
             held[1] -= 1
             if held[1] == 0:
                 del self.runs[run]
-                if held[0] >= 0:
-                    os.close(held[0])
+                if held[0] is not None:
+                    held[0].release()
 
-    def _clean_up_after(self, c: _Connection, abandoned: list[tuple[str, str]]) -> None:
-        """Removes what a departed trainer persisted of versions it never committed,
-        once nothing of them can still be in flight, then lets its run go."""
+    def _clean_up_after(self, c: _Connection) -> None:
+        """Keeps a departed trainer's run alive until what it committed is in the store
+        (the engine removes what it wrote of versions it never committed)."""
         try:
-            if self.root:  # what it committed must reach the store first, too
+            if self.root:
                 deadline = time.monotonic() + self.commit_timeout
                 while time.monotonic() < deadline:
                     try:
@@ -182,16 +183,6 @@ class Agent:
                         break
                     except errors.NebuliteError:
                         continue
-                for tag, version in abandoned:
-                    vdir = os.path.join(self.root, tag, version)
-                    shutil.rmtree(os.path.join(vdir, f"rank{c.rank}"), ignore_errors=True)
-                    for d in (vdir, os.path.join(self.root, tag)):
-                        try:
-                            os.rmdir(d)  # only once no other rank has files there
-                        except OSError:
-                            break
-                    log.info("removed %s/%s of rank %d, left uncommitted by its trainer",
-                             tag, version, c.rank)
         finally:
             if c.run:
                 self._release_run(c.run)
@@ -245,7 +236,7 @@ class Agent:
             self.clients -= 1
             self.cleanups += 1
             self.last_detach = time.monotonic()
-        threading.Thread(target=self._clean_up_after, args=(c, abandoned), daemon=True).start()
+        threading.Thread(target=self._clean_up_after, args=(c,), daemon=True).start()
 
     def _dispatch(self, c: _Connection, r: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         op = r.get("op")
@@ -279,8 +270,20 @@ class Agent:
                 return {"ok": True, "offset": offset, "bytes": nbytes, "records": records}, []
             if op == "seal":
                 key = (_str(r, "tag"), _str(r, "version"), _str(r, "name"))
-                e.seal(*key, bool(r.get("persist_now")))
+                crcs = r.get("crcs")
+                if not isinstance(crcs, list) or not all(
+                        isinstance(x, int) and not isinstance(x, bool) and 0 <= x < 1 << 32
+                        for x in crcs):
+                    raise errors.InvalidArgumentError("crcs must be a list of CRC-32 values")
+                e.seal(*key, bool(r.get("persist_now")), crcs)
                 c.reserved.discard(key)
+                return {"ok": True}, []
+            if op == "rename_version":
+                tag, old, new = _str(r, "tag"), _str(r, "old"), _str(r, "new")
+                e.rename_version(tag, old, new)
+                if (tag, old) in c.staged:
+                    c.staged.discard((tag, old))
+                    c.staged.add((tag, new))
                 return {"ok": True}, []
             if op == "discard":
                 key = (_str(r, "tag"), _str(r, "version"), _str(r, "name"))

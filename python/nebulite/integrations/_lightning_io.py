@@ -39,7 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .. import _core, api
-from ..errors import InvalidArgumentError
+from ..errors import InvalidArgumentError, NotFoundError
 
 log = logging.getLogger("nebulite")
 
@@ -82,7 +82,7 @@ class _PathState:
 def _version_of_file(path: str) -> Optional[_Version]:
     """The version a data file path `<root>/<tag>/<version>/rank<R>/<name>` lies in."""
     parts = os.path.normpath(path).split(os.sep)
-    if len(parts) < 5 or not _RANK_DIR.match(parts[-2]) or not api._VERSION_NAME.match(parts[-3]):
+    if len(parts) < 5 or not _RANK_DIR.match(parts[-2]) or not _core.parse_version_name(parts[-3]):
         return None
     root = os.sep.join(parts[:-4]) or os.sep
     config = api._config()
@@ -91,35 +91,13 @@ def _version_of_file(path: str) -> Optional[_Version]:
     return _Version(root, parts[-4], parts[-3])
 
 
-def _fsync_dir(path: str) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _delete_version(v: _Version) -> None:
     """Deletes a committed version the way retention does (docs/format.md, Retention):
     the commit marker first, durably, then the files, then the tag's directory if empty."""
     try:
-        os.unlink(os.path.join(v.directory, "COMMITTED"))
-    except FileNotFoundError:
-        pass
-    _fsync_dir(v.directory)
-    shutil.rmtree(v.directory, ignore_errors=True)
-    tag_dir = os.path.dirname(v.directory)
-    _fsync_dir(tag_dir)
-    try:
-        os.rmdir(tag_dir)  # only if empty: a new version of the tag may be starting
-    except OSError:
-        return
-    _fsync_dir(v.root)
+        _core.retire_version(v.root, v.tag, v.version)
+    except (NotFoundError, OSError) as e:
+        log.warning("nebulite: cannot delete %s: %s", v.directory, e)
 
 
 def _link(path: str, target: str) -> None:
