@@ -154,6 +154,11 @@ def draw_schedule(rng: random.Random, config: Config, est: Estimates) -> Schedul
         trigger, delay = "start", est.get("run") * rng.uniform(0.0, 1.0)
     elif aim == "save":
         trigger, delay = f"saving+{rng.randrange(steps)}", est.get("save") * rng.uniform(0.0, 1.0)
+    elif rng.random() < 0.5:
+        # Seen in the store: the step's first data file (persist), its first manifest (the
+        # commit waits for the others, then writes the marker), its marker (retention follows).
+        event = {"persist": "data", "commit": "manifest", "retention": "marker"}[aim]
+        trigger, delay = f"{event}+{k}", rng.choice((0.0, rng.uniform(0.0, 0.004)))
     else:
         # After commit() returns the step is written (persist), its manifests and marker
         # written (commit), then retention runs; flush_persistence() returns after all.
@@ -358,6 +363,37 @@ def _free_port() -> int:
 
 # -- where a kill landed ----------------------------------------------------------------
 
+#: Triggers seen in the store: a data file of the step, its first manifest, its marker.
+STORE_EVENTS = ("data", "manifest", "marker")
+
+
+def store_event(store: str, step: int, run_id: str, event: str) -> bool:
+    """Whether this run's version of step<step> has reached `event` in the store."""
+    tdir = os.path.join(store, f"step{step}")
+    try:
+        versions = [v for v in os.listdir(tdir) if v.startswith(f"v{run_id}-")]
+    except OSError:
+        return False
+    for v in versions:
+        try:
+            entries = os.listdir(os.path.join(tdir, v))
+        except OSError:
+            continue
+        if event == "marker" and "COMMITTED" in entries:
+            return True
+        if event == "manifest" and any(e.endswith(".manifest") for e in entries):
+            return True
+        if event == "data":
+            for e in entries:
+                if e.startswith("rank") and not e.endswith(".manifest"):
+                    try:
+                        if os.listdir(os.path.join(tdir, v, e)):
+                            return True
+                    except OSError:
+                        pass
+    return False
+
+
 def store_snapshot(store: str) -> list[dict[str, Any]]:
     """Every version directory: its step, whether it has a marker, manifests, data files."""
     out = []
@@ -524,6 +560,7 @@ class Scenario:
         snapshot: list[dict[str, Any]] = []
         run_id = None
         first: int | None = None
+        watch: tuple[str, int] | None = None  # (store event, step) awaited to set kill_at
         last_output = t0
         early_exit: list[str] = []
         hang = False
@@ -535,6 +572,8 @@ class Scenario:
                     deadlines.append(kill_at)
                 if killed_at is not None:
                     deadlines.append(killed_at + sched.grace)
+                if watch is not None:
+                    deadlines.append(now + 0.0005)  # watching the store for the moment to kill
                 fds = [w.rfd for w in workers if not w.exited] + [w.pidfd for w in workers if not w.exited]
                 ready, _, _ = select.select(fds, [], [], max(0.0, min(deadlines) - now))
                 for w in workers:
@@ -558,14 +597,21 @@ class Scenario:
                         if word == "resumed":
                             first = 0 if rest.split()[0] == "none" else int(rest.split()[0]) + 1
                         elif want and first is not None and kill_at is None and killed_at is None \
-                                and word == want[0] and rest == str(first + want[1]):
-                            kill_at = t + sched.delay
+                                and rest == str(first + want[1]):
+                            if word == want[0]:
+                                kill_at = t + sched.delay
+                            elif word == "saving" and want[0] in STORE_EVENTS:
+                                watch = (want[0], first + want[1])
                     if w.pidfd in ready or w.has_ended():
                         w.finish()
                         if killed_at is None and w.returncode != 0:
                             early_exit.append(f"rank{workers.index(w)} exited {w.returncode} "
                                               "before any kill")
                 now = time.monotonic()
+                if watch is not None and kill_at is None and run_id is not None \
+                        and store_event(self.store, watch[1], run_id, watch[0]):
+                    kill_at = now + sched.delay
+                    watch = None
                 if killed_at is None and kill_at is not None and now >= kill_at and not early_exit:
                     delivered = self._kill(sched, workers)
                     killed_at = time.monotonic()
@@ -573,7 +619,7 @@ class Scenario:
                     if not delivered:
                         kill_at = None  # nothing to kill (no agent yet): the run goes on
                         killed_at = None
-                        want = None
+                        want = watch = None
                 if (killed_at is not None and now >= killed_at + sched.grace) or early_exit:
                     for w in workers:
                         w.kill()

@@ -169,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
     first = _resume(a.world)
     journal = os.path.join(a.journal_dir, f"rank{a.rank}.journal")
     for step in range(first, first + a.steps):
+        objects = [(n, expected(step, r, n)) for r, n in names(a.world) if r == a.rank]
         _say(f"saving {step}")
         ck = nm.Checkpoint(f"step{step}", -2)
-        if a.rank == 0:
-            ck.save("model", expected(step, 0, "model"))
-        ck.save(f"optim_rank{a.rank}", expected(step, a.rank, f"optim_rank{a.rank}"))
+        for name, obj in objects:
+            ck.save(name, obj)
         _say(f"saved {step}")
         if not ck.commit():
             raise RuntimeError(f"commit() of step{step} returned False")
