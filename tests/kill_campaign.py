@@ -367,43 +367,41 @@ def _free_port() -> int:
 STORE_EVENTS = ("data", "manifest", "marker")
 
 
-def store_event(store: str, step: int, run_id: str, event: str) -> bool:
-    """Whether this run's version of step<step> has reached `event` in the store."""
-    tdir = os.path.join(store, f"step{step}")
+def version_name(run_id: str, k: int) -> str:
+    """The version the k-th checkpoint of a run creates (every rank names it alike)."""
+    return f"v{run_id}-{k + 1:06d}"
+
+
+def store_event(store: str, tag: str, version: str, event: str) -> bool:
+    """Whether version `version` of `tag` has reached `event` in the store."""
+    vdir = os.path.join(store, tag, version)
     try:
-        versions = [v for v in os.listdir(tdir) if v.startswith(f"v{run_id}-")]
+        entries = os.listdir(vdir)
     except OSError:
         return False
-    for v in versions:
-        try:
-            entries = os.listdir(os.path.join(tdir, v))
-        except OSError:
-            continue
-        if event == "marker" and "COMMITTED" in entries:
-            return True
-        if event == "manifest" and any(e.endswith(".manifest") for e in entries):
-            return True
-        if event == "data":
-            for e in entries:
-                if e.startswith("rank") and not e.endswith(".manifest"):
-                    try:
-                        if os.listdir(os.path.join(tdir, v, e)):
-                            return True
-                    except OSError:
-                        pass
+    if event == "marker":
+        return "COMMITTED" in entries
+    if event == "manifest":
+        return any(e.endswith(".manifest") for e in entries)
+    for e in entries:
+        if e.startswith("rank") and not e.endswith(".manifest"):
+            try:
+                if os.listdir(os.path.join(vdir, e)):
+                    return True
+            except OSError:
+                pass
     return False
 
 
 def store_snapshot(store: str) -> list[dict[str, Any]]:
-    """Every version directory: its step, whether it has a marker, manifests, data files."""
+    """Every version directory: its name, whether it has a marker, manifests, data files."""
     out = []
     try:
         tags = os.listdir(store)
     except FileNotFoundError:
         return out
     for tag in tags:
-        m = re.fullmatch(r"step(\d+)", tag)
-        if not m:
+        if tag.startswith(".") or tag.endswith(".csv"):
             continue
         try:
             versions = os.listdir(os.path.join(store, tag))
@@ -422,7 +420,7 @@ def store_snapshot(store: str) -> list[dict[str, Any]]:
                         data += len(os.listdir(os.path.join(vdir, e)))
                     except OSError:
                         pass
-            out.append({"step": int(m.group(1)), "version": version,
+            out.append({"tag": tag, "version": version,
                         "committed": "COMMITTED" in entries,
                         "manifests": sum(e.endswith(".manifest") for e in entries), "data": data})
     return out
@@ -436,12 +434,16 @@ def landed_phase(lines: list[tuple[float, str]], snapshot: list[dict[str, Any]],
         return "restart"
     if words[-1] == "done":
         return "idle"
-    mine = [v for v in snapshot if run_id and v["version"].startswith(f"v{run_id}-")]
-    newest = max((v["step"] for v in snapshot if v["committed"]), default=-1)
-    if any(not v["committed"] and v["manifests"] and v["step"] > newest for v in mine):
+    mine = []
+    for v in snapshot:
+        m = re.fullmatch(rf"v{run_id}-(\d+)", v["version"]) if run_id else None
+        if m:
+            mine.append(dict(v, n=int(m.group(1))))
+    newest = max((v["n"] for v in mine if v["committed"]), default=-1)
+    if any(not v["committed"] and v["manifests"] and v["n"] > newest for v in mine):
         return "commit"
     if sum(v["committed"] for v in snapshot) > RETENTION or any(
-            not v["committed"] and v["step"] < newest for v in mine):
+            not v["committed"] and v["n"] < newest for v in mine):
         return "retention"
     if any(not v["committed"] and v["data"] for v in mine):
         return "persist"
@@ -462,6 +464,7 @@ class Failure:
     detail: str
     context: str = ""
     replay: str = ""   # the schedules of the scenario's rounds so far
+    tag_mode: str = "step"
 
     def report(self) -> str:
         return (f"FAILURE [{self.kind}] configuration {self.config}, scenario seed {self.seed!r}, "
@@ -469,7 +472,7 @@ class Failure:
                 f"  reproduce: python tests/kill_campaign.py --configs {self.config} "
                 f"--scenario-seed '{self.seed}' --rounds {self.round + 1}\n"
                 f"  replay the same kills: python tests/kill_campaign.py --configs {self.config} "
-                f"--schedule '{self.replay}'"
+                f"--tag {self.tag_mode} --schedule '{self.replay}'"
                 + (f"\n{self.context}" if self.context else ""))
 
 
@@ -483,6 +486,7 @@ class Stats:
         self.committed: set[tuple[str, str]] = set()
         self.verified: set[tuple[str, str]] = set()
         self.verifications = 0
+        self.scenarios = collections.Counter()  # by the tags saved: "step" or "last"
         self.journaled = collections.Counter()  # flush_persistence() calls that returned
         self.failures: list[Failure] = []
         self.failure_keys: set[tuple[str, ...]] = set()
@@ -491,9 +495,12 @@ class Stats:
 class Scenario:
     """One store, runtime directory and journal, and the rounds run on them."""
 
-    def __init__(self, campaign: "Campaign", config: Config, seed: str) -> None:
+    def __init__(self, campaign: "Campaign", config: Config, seed: str, tag_mode: str | None = None) -> None:
         self.c, self.config, self.seed = campaign, config, seed
         self.rng = random.Random(seed)
+        # One tag per step, or (a third of the scenarios) one tag saved again and again.
+        drawn = "last" if self.rng.random() < 1 / 3 else "step"
+        self.tag_mode = tag_mode or drawn
         self.dir = tempfile.mkdtemp(prefix="s", dir=campaign.workdir)
         self.store = os.path.join(self.dir, "store")
         self.journal = os.path.join(self.dir, "journal")
@@ -525,7 +532,7 @@ class Scenario:
             return
         self.c.stats.failure_keys.add(k)
         f = Failure(kind, self.config.name, self.seed, self.round, str(schedule) if schedule else "-",
-                    detail, context, ";".join(self.schedules))
+                    detail, context, ";".join(self.schedules), self.tag_mode)
         self.c.stats.failures.append(f)
         self.c.say(f.report())
 
@@ -535,19 +542,20 @@ class Scenario:
         """Runs, kills, checks. Returns whether a kill was delivered."""
         cfg, st = self.config, self.c.stats
         self.schedules.append(str(sched))
+        journaled = self.journaled()
         port = _free_port()
         workers = []
         self.counter += 1
         for rank in range(cfg.world):
             argv = ["--store", self.store, "--journal-dir", self.journal, "--rank", str(rank),
                     "--world", str(cfg.world), "--port", str(port), "--steps", str(sched.steps),
-                    "--flush-every", str(sched.flush_every), "--commit-timeout", COMMIT_TIMEOUT]
+                    "--flush-every", str(sched.flush_every), "--commit-timeout", COMMIT_TIMEOUT,
+                    "--tag", self.tag_mode]
             if cfg.agent:
                 argv.append("--agent")
             workers.append(Child(self.c.zygote, "worker", argv, self.env(), self.procs,
                                  f"r{self.counter}-rank{rank}"))
         st.runs[cfg.name] += 1
-        journaled = self.journaled()
         t0 = time.monotonic()
         trig = workers[min(sched.rank, cfg.world - 1)]
         kill_at = t0 + sched.delay if sched.trigger == "start" else None
@@ -560,7 +568,7 @@ class Scenario:
         snapshot: list[dict[str, Any]] = []
         run_id = None
         first: int | None = None
-        watch: tuple[str, int] | None = None  # (store event, step) awaited to set kill_at
+        watch: tuple[str, str, str] | None = None  # (store event, tag, version) awaited
         last_output = t0
         early_exit: list[str] = []
         hang = False
@@ -600,16 +608,17 @@ class Scenario:
                                 and rest == str(first + want[1]):
                             if word == want[0]:
                                 kill_at = t + sched.delay
-                            elif word == "saving" and want[0] in STORE_EVENTS:
-                                watch = (want[0], first + want[1])
+                            elif word == "saving" and want[0] in STORE_EVENTS and run_id:
+                                tag = f"step{first + want[1]}" if self.tag_mode == "step" else "last"
+                                watch = (want[0], tag, version_name(run_id, want[1]))
                     if w.pidfd in ready or w.has_ended():
                         w.finish()
                         if killed_at is None and w.returncode != 0:
                             early_exit.append(f"rank{workers.index(w)} exited {w.returncode} "
                                               "before any kill")
                 now = time.monotonic()
-                if watch is not None and kill_at is None and run_id is not None \
-                        and store_event(self.store, watch[1], run_id, watch[0]):
+                if watch is not None and kill_at is None \
+                        and store_event(self.store, watch[1], watch[2], watch[0]):
                     kill_at = now + sched.delay
                     watch = None
                 if killed_at is None and kill_at is not None and now >= kill_at and not early_exit:
@@ -646,8 +655,14 @@ class Scenario:
                               sched, key=line.split()[1] + "/" + line.split()[2], context=context)
         if hang:
             self.fail("hang", f"no output for {HANG_SECONDS:.0f} s", sched, context=context)
+        # The port picked for torch.distributed may be taken by someone else meanwhile: not
+        # nebulite's doing, the round just did not happen.
+        port_taken = any("Address already in use" in w.stderr_tail(20000) for w in workers)
         for e in early_exit:
-            if not any(l.startswith(("CORRUPT", "LOADERR")) for w in workers for _, l in w.lines):
+            if port_taken and not delivered:
+                self.c.say(f"{cfg.name} {self.seed} round {self.round}: port {port} was taken; "
+                           "the round is not counted")
+            elif not any(l.startswith(("CORRUPT", "LOADERR")) for w in workers for _, l in w.lines):
                 self.fail("error", e, sched, key=e + str(self.round), context=context)
         if not delivered and not hang and not early_exit:
             bad = [f"{w.name} exited {w.returncode}" for w in workers if w.returncode != 0]
@@ -816,10 +831,13 @@ class Campaign:
         print(text, file=self.out, flush=True)
 
     def scenario(self, config: Config, seed: str, kills: int | None = None, rounds: int | None = None,
-                 schedules: list[Schedule] | None = None) -> None:
+                 schedules: list[Schedule] | None = None, tag_mode: str | None = None) -> None:
         """Rounds on one store until `kills` kills were delivered (or `rounds` rounds ran, or
         the given schedules ran), then a last check with the agent gone."""
-        s = Scenario(self, config, seed)
+        s = Scenario(self, config, seed, tag_mode)
+        self.stats.scenarios[s.tag_mode] += 1
+        if self.verbose:
+            self.say(f"{config.name} {seed}: tags {'step<N>' if s.tag_mode == 'step' else 'last'}")
         self.rng_order.seed(seed)
         try:
             delivered = n = 0
@@ -889,6 +907,8 @@ def table(stats: Stats, configs: list[Config], seconds: float) -> str:
     a, l = stats.aimed, stats.landed
     lines += [
         "",
+        f"stores: {sum(stats.scenarios.values())} (tags step<N>: {stats.scenarios['step']}, "
+        f"one tag saved again and again: {stats.scenarios['last']})",
         f"kills by target: trainer {t['trainer']}, agent {t['agent']}, both {t['both']}",
         "kills aimed at: " + ", ".join(f"{p} {a[p]}" for p in AIMS),
         "kills landed in: " + ", ".join(f"{p} {l[p]}" for p in PHASES),
@@ -930,6 +950,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=None, help="with --scenario-seed: rounds to run")
     p.add_argument("--schedule", default=None,
                    help="rounds of one scenario, as failures print them, separated by ';'")
+    p.add_argument("--tag", choices=("step", "last"), default=None,
+                   help="with --schedule or --scenario-seed: the tags the runs save (default: drawn)")
     p.add_argument("--keep", action="store_true", help="keep the stores (printed) for inspection")
     p.add_argument("--verbose", action="store_true", help="a line per round")
     a = p.parse_args(argv)
@@ -942,7 +964,7 @@ def main(argv: list[str] | None = None) -> int:
             schedules = [Schedule.parse(x) for x in a.schedule.split(";")] if a.schedule else None
             seed = a.scenario_seed or f"replay:{configs[0].name}:0"
             c.scenario(configs[0], seed, kills=None if (a.rounds or schedules) else a.kills,
-                       rounds=a.rounds, schedules=schedules)
+                       rounds=a.rounds, schedules=schedules, tag_mode=a.tag)
         finally:
             c.close()
             if a.keep:

@@ -16,6 +16,8 @@ import sys
 import tempfile
 import threading
 
+import pytest
+
 import nebulite.api
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -74,18 +76,21 @@ def _check(store, journal) -> dict:
     return kill_verify.Check(str(store), 1, str(journal), live=False).run()
 
 
-def test_the_checks_catch_a_torn_or_a_lost_checkpoint(tmp_path):
+@pytest.mark.parametrize("tags", ["step", "last"])
+def test_the_checks_catch_a_torn_or_a_lost_checkpoint(tmp_path, tags):
     """The campaign's checks pass on what a run left and fail on a damaged store."""
     store, journal = tmp_path / "store", tmp_path / "journal"
     journal.mkdir()
     assert kill_worker.main(["--store", str(store), "--journal-dir", str(journal),
-                             "--steps", "4", "--flush-every", "1"]) == 0
+                             "--steps", "4", "--flush-every", "1", "--tag", tags]) == 0
     result = _check(store, journal)
     assert result["problems"] == []
-    assert [e["tag"] for e in result["listed"]] == ["step3", "step2"]  # retention 2
+    newest_tag = "step3" if tags == "step" else "last"
+    assert [e["tag"] for e in result["listed"]] == (  # retention 2
+        ["step3", "step2"] if tags == "step" else ["last", "last"])
     assert len(result["verified"]) == 2 and result["latest"] == 3 and result["journal"] == 3
 
-    newest = os.path.join(str(store), "step3", result["listed"][0]["version"])
+    newest = os.path.join(str(store), newest_tag, result["listed"][0]["version"])
     model = os.path.join(newest, "rank0", "model")
     with open(model, "r+b") as f:  # one flipped bit in a tensor's bytes
         f.seek(8192 + 1000)
@@ -93,7 +98,7 @@ def test_the_checks_catch_a_torn_or_a_lost_checkpoint(tmp_path):
         f.seek(8192 + 1000)
         f.write(bytes([byte[0] ^ 1]))
     problems = _check(store, journal)["problems"]
-    assert any(p["kind"] == "torn" and "step3/" in p["detail"] for p in problems), problems
+    assert any(p["kind"] == "torn" and f"{newest_tag}/" in p["detail"] for p in problems), problems
 
     os.unlink(os.path.join(newest, "COMMITTED"))  # as if step3 had never been committed
     result = _check(store, journal)

@@ -2,12 +2,14 @@
 trains nothing and saves checkpoints in a loop until it is killed or has saved its steps.
 
 Usage: kill_worker.py --store S --journal-dir J [--rank R --world W --port P] [--agent]
-                      [--steps K] [--flush-every F]
+                      [--steps K] [--flush-every F] [--tag step|last]
 
 When it starts, the run resumes from get_latest_checkpoint() and checks bit for bit that
-every object of it holds the content saved at its step (see expected()). It then saves
-tags step<N> for the K steps after the resumed one: "model" (rank 0) and "optim_rank<R>"
-(every rank), with persistent_time_interval=0 and a retention of RETENTION versions,
+every object of it holds the content saved at its step (see expected()). It then saves a
+checkpoint for each of the K steps after the resumed one, tagged step<N> (or, with
+--tag last, always "last": every save is a new version of that one tag, as Lightning's
+last.ckpt): "model" (rank 0; its "step" entry is N) and "optim_rank<R>" (every rank),
+with persistent_time_interval=0 and a retention of RETENTION versions,
 commits each, and after every F-th step of the run calls flush_persistence() and appends N to its
 journal (J/rank<R>.journal, fsync'd): a journal line is a promise that step N (or a newer
 step) is committed in the store for good.
@@ -95,6 +97,17 @@ def step_of(tag: str) -> int:
     return int(m.group(1))
 
 
+def step_of_checkpoint(ck: Any) -> int:
+    """The step a committed checkpoint holds: its tag's, or for the tag "last" the one its
+    model says (the whole content is then checked against that step)."""
+    if ck.tag == "last":
+        step = ck.load("model", map_location="cpu")["step"]
+        if not isinstance(step, int):
+            raise ValueError(f"the model of {ck.tag}/{ck.version} holds step {step!r}")
+        return step
+    return step_of(ck.tag)
+
+
 def read_journal(path: str) -> list[int]:
     """Steps in a journal; a last line without its newline (a write cut short) is ignored."""
     try:
@@ -125,8 +138,14 @@ def _resume(world: int) -> int:
     if latest.tag == "":
         _say("resumed none")
         return 0
-    step = step_of(latest.tag)
     tier = latest._committed["tier"] if latest._committed else "?"
+    try:
+        step = step_of_checkpoint(latest)
+    except nm.errors.AgentLostError:
+        raise
+    except Exception as e:  # noqa: BLE001 - reported to the controller
+        _say(f"LOADERR {latest.tag} {latest.version} {tier} model: {type(e).__name__}: {e}")
+        sys.exit(EXIT_CORRUPT)
     for rank, name in names(world):
         try:
             got = latest.load(name, map_location="cpu")
@@ -153,6 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--flush-every", type=int, default=2, help="0: never flush")
     p.add_argument("--commit-timeout", type=float, default=10.0)
+    p.add_argument("--tag", choices=("step", "last"), default="step")
     a = p.parse_args(argv)
     _say("start")
     dist = None
@@ -171,7 +191,7 @@ def main(argv: list[str] | None = None) -> int:
     for step in range(first, first + a.steps):
         objects = [(n, expected(step, r, n)) for r, n in names(a.world) if r == a.rank]
         _say(f"saving {step}")
-        ck = nm.Checkpoint(f"step{step}", -2)
+        ck = nm.Checkpoint(f"step{step}" if a.tag == "step" else "last", -2)
         for name, obj in objects:
             ck.save(name, obj)
         _say(f"saved {step}")
