@@ -74,6 +74,19 @@ HANG_SECONDS = 120.0
 #: How long an agent left alone gets to persist what it holds and exit (idle exit: 1 s).
 DRAIN_SECONDS = 120.0
 AGENT_IDLE_EXIT = "1"
+#: Memory budgets (NEBULA_MEMORY_BUFFER_SIZE) of a store's runs. A checkpoint holds about
+#: 6.5 MiB on rank 0 and 4 MiB on rank 1. Roomy: many checkpoints fit; tight: about one,
+#: each save waits for the previous one to be persisted and evicted; streaming (agent
+#: only): the optimizer object is larger than the whole budget and the trainer streams
+#: it to the store.
+MEMORY = ("roomy", "tight", "streaming")
+
+
+def memory_bytes(config: Config, memory: str) -> int:
+    mib = {"roomy": 128 if config.agent else 64, "tight": 12 if config.world > 1 and config.agent else 8,
+           "streaming": 4}[memory]
+    return mib << 20
+
 COMMIT_TIMEOUT = "10"
 
 
@@ -465,6 +478,7 @@ class Failure:
     context: str = ""
     replay: str = ""   # the schedules of the scenario's rounds so far
     tag_mode: str = "step"
+    memory: str = "roomy"
 
     def report(self) -> str:
         return (f"FAILURE [{self.kind}] configuration {self.config}, scenario seed {self.seed!r}, "
@@ -472,7 +486,7 @@ class Failure:
                 f"  reproduce: python tests/kill_campaign.py --configs {self.config} "
                 f"--scenario-seed '{self.seed}' --rounds {self.round + 1}\n"
                 f"  replay the same kills: python tests/kill_campaign.py --configs {self.config} "
-                f"--tag {self.tag_mode} --schedule '{self.replay}'"
+                f"--tag {self.tag_mode} --memory {self.memory} --schedule '{self.replay}'"
                 + (f"\n{self.context}" if self.context else ""))
 
 
@@ -487,6 +501,7 @@ class Stats:
         self.verified: set[tuple[str, str]] = set()
         self.verifications = 0
         self.scenarios = collections.Counter()  # by the tags saved: "step" or "last"
+        self.memories = collections.Counter()  # by the memory budget (MEMORY)
         self.journaled = collections.Counter()  # flush_persistence() calls that returned
         self.failures: list[Failure] = []
         self.failure_keys: set[tuple[str, ...]] = set()
@@ -495,12 +510,17 @@ class Stats:
 class Scenario:
     """One store, runtime directory and journal, and the rounds run on them."""
 
-    def __init__(self, campaign: "Campaign", config: Config, seed: str, tag_mode: str | None = None) -> None:
+    def __init__(self, campaign: "Campaign", config: Config, seed: str, tag_mode: str | None = None,
+                 memory: str | None = None) -> None:
         self.c, self.config, self.seed = campaign, config, seed
         self.rng = random.Random(seed)
         # One tag per step, or (a third of the scenarios) one tag saved again and again.
         drawn = "last" if self.rng.random() < 1 / 3 else "step"
         self.tag_mode = tag_mode or drawn
+        drawn = self.rng.choices(MEMORY, weights=(2, 1, 1))[0]
+        if drawn == "streaming" and not config.agent:
+            drawn = "tight"
+        self.memory = memory or drawn
         self.dir = tempfile.mkdtemp(prefix="s", dir=campaign.workdir)
         self.store = os.path.join(self.dir, "store")
         self.journal = os.path.join(self.dir, "journal")
@@ -522,7 +542,7 @@ class Scenario:
         env.update(OMP_NUM_THREADS="1", NEBULITE_RUNTIME_DIR=self.runtime,
                    NEBULITE_AGENT="1" if self.config.agent else "0",
                    NEBULITE_AGENT_IDLE_EXIT=AGENT_IDLE_EXIT,
-                   NEBULA_MEMORY_BUFFER_SIZE=str((128 if self.config.agent else 64) << 20))
+                   NEBULA_MEMORY_BUFFER_SIZE=str(memory_bytes(self.config, self.memory)))
         return env
 
     def fail(self, kind: str, detail: str, schedule: Schedule | None, key: str | None = None,
@@ -532,7 +552,7 @@ class Scenario:
             return
         self.c.stats.failure_keys.add(k)
         f = Failure(kind, self.config.name, self.seed, self.round, str(schedule) if schedule else "-",
-                    detail, context, ";".join(self.schedules), self.tag_mode)
+                    detail, context, ";".join(self.schedules), self.tag_mode, self.memory)
         self.c.stats.failures.append(f)
         self.c.say(f.report())
 
@@ -831,13 +851,16 @@ class Campaign:
         print(text, file=self.out, flush=True)
 
     def scenario(self, config: Config, seed: str, kills: int | None = None, rounds: int | None = None,
-                 schedules: list[Schedule] | None = None, tag_mode: str | None = None) -> None:
+                 schedules: list[Schedule] | None = None, tag_mode: str | None = None,
+                 memory: str | None = None) -> None:
         """Rounds on one store until `kills` kills were delivered (or `rounds` rounds ran, or
         the given schedules ran), then a last check with the agent gone."""
-        s = Scenario(self, config, seed, tag_mode)
+        s = Scenario(self, config, seed, tag_mode, memory)
         self.stats.scenarios[s.tag_mode] += 1
+        self.stats.memories[s.memory] += 1
         if self.verbose:
-            self.say(f"{config.name} {seed}: tags {'step<N>' if s.tag_mode == 'step' else 'last'}")
+            self.say(f"{config.name} {seed}: tags {'step<N>' if s.tag_mode == 'step' else 'last'}, "
+                     f"memory {s.memory} ({memory_bytes(config, s.memory) >> 20} MiB)")
         self.rng_order.seed(seed)
         try:
             delivered = n = 0
@@ -908,7 +931,9 @@ def table(stats: Stats, configs: list[Config], seconds: float) -> str:
     lines += [
         "",
         f"stores: {sum(stats.scenarios.values())} (tags step<N>: {stats.scenarios['step']}, "
-        f"one tag saved again and again: {stats.scenarios['last']})",
+        f"one tag saved again and again: {stats.scenarios['last']}; memory roomy: "
+        f"{stats.memories['roomy']}, tight: {stats.memories['tight']}, "
+        f"streaming: {stats.memories['streaming']})",
         f"kills by target: trainer {t['trainer']}, agent {t['agent']}, both {t['both']}",
         "kills aimed at: " + ", ".join(f"{p} {a[p]}" for p in AIMS),
         "kills landed in: " + ", ".join(f"{p} {l[p]}" for p in PHASES),
@@ -952,6 +977,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="rounds of one scenario, as failures print them, separated by ';'")
     p.add_argument("--tag", choices=("step", "last"), default=None,
                    help="with --schedule or --scenario-seed: the tags the runs save (default: drawn)")
+    p.add_argument("--memory", choices=MEMORY, default=None,
+                   help="with --schedule or --scenario-seed: the memory budget (default: drawn)")
     p.add_argument("--keep", action="store_true", help="keep the stores (printed) for inspection")
     p.add_argument("--verbose", action="store_true", help="a line per round")
     a = p.parse_args(argv)
@@ -964,7 +991,7 @@ def main(argv: list[str] | None = None) -> int:
             schedules = [Schedule.parse(x) for x in a.schedule.split(";")] if a.schedule else None
             seed = a.scenario_seed or f"replay:{configs[0].name}:0"
             c.scenario(configs[0], seed, kills=None if (a.rounds or schedules) else a.kills,
-                       rounds=a.rounds, schedules=schedules, tag_mode=a.tag)
+                       rounds=a.rounds, schedules=schedules, tag_mode=a.tag, memory=a.memory)
         finally:
             c.close()
             if a.keep:
