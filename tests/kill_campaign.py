@@ -198,6 +198,7 @@ class Zygote:
         with open(self.stderr_path, "wb") as err:
             self.proc = subprocess.Popen([sys.executable, ZYGOTE], stdin=subprocess.PIPE,
                                          stdout=subprocess.PIPE, stderr=err, env=env, text=True)
+        self.spawned: list[int] = []  # pids of everything it forked
         hello = self.proc.stdout.readline()
         if not hello:
             self.close()
@@ -247,6 +248,7 @@ class Child:
         self.pid = int(zygote.request(op="spawn", role=role, argv=argv, env=env,
                                       stdout=self.fifo, stderr=self.stderr_path)["pid"])
         self.pidfd = os.pidfd_open(self.pid)  # it is not reaped before we ask: still itself
+        zygote.spawned.append(self.pid)
         self.lines: list[tuple[float, str]] = []
         self._partial = b""
         self.returncode: int | None = None
@@ -309,6 +311,7 @@ class Agents:
     def __init__(self, runtime_dir: str) -> None:
         self.runtime_dir = runtime_dir
         self.pidfds: dict[int, int] = {}
+        self.seen: list[int] = []  # every agent ever tracked
 
     def _is_ours(self, pid: int) -> bool:
         try:
@@ -328,6 +331,7 @@ class Agents:
             return
         if self._is_ours(pid):  # checked after opening: the pidfd is this very process
             self.pidfds[pid] = fd
+            self.seen.append(pid)
         else:
             os.close(fd)
 
@@ -509,6 +513,9 @@ class Stats:
         self.scenarios = collections.Counter()  # by the tags saved: "step" or "last"
         self.memories = collections.Counter()  # by the memory budget (MEMORY)
         self.journaled = collections.Counter()  # flush_persistence() calls that returned
+        self.paths: list[str] = []  # directories the campaign made (all removed at its end)
+        self.zygote_pid: int | None = None
+        self.pids: list[int] = []  # every worker, checker and agent the campaign started
         self.failures: list[Failure] = []
         self.failure_keys: set[tuple[str, ...]] = set()
 
@@ -535,6 +542,7 @@ class Scenario:
         os.makedirs(self.procs)
         # Unix socket paths are short: the runtime directory lives right under /tmp.
         self.runtime = tempfile.mkdtemp(prefix="nbkill-")
+        campaign.stats.paths.append(self.runtime)
         self.agents = Agents(self.runtime)
         self.owed: int | None = None  # the newest step every rank committed, the agent alive since
         self.round = 0
@@ -840,6 +848,7 @@ class Scenario:
 
     def close(self) -> None:
         self.agents.close()
+        self.c.stats.pids += self.agents.seen
         self.count_commits()
         shutil.rmtree(self.runtime, ignore_errors=True)
         if not self.c.keep:
@@ -959,6 +968,8 @@ def run(kills: int, seed: int, configs: list[Config], per_scenario: int = 8, kee
     campaign = None
     try:
         campaign = Campaign(workdir, keep, out, verbose)
+        campaign.stats.paths.append(workdir)
+        campaign.stats.zygote_pid = campaign.zygote.proc.pid
         campaign.say(f"kill campaign: seed {seed}, {kills} kills, configurations "
                      + ", ".join(c.name for c in configs))
         for i, (config, n) in enumerate(plan(kills, configs, per_scenario)):
@@ -967,6 +978,7 @@ def run(kills: int, seed: int, configs: list[Config], per_scenario: int = 8, kee
     finally:
         if campaign is not None:
             campaign.close()
+            campaign.stats.pids += campaign.zygote.spawned
         if not keep:
             shutil.rmtree(workdir, ignore_errors=True)
     return stats, table(stats, configs, time.monotonic() - t0)

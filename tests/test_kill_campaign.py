@@ -13,7 +13,6 @@ import io
 import os
 import random
 import sys
-import tempfile
 import threading
 
 import pytest
@@ -29,26 +28,25 @@ import kill_worker  # noqa: E402
 KILLS = 30
 
 
-def _our_processes(markers: list[str]) -> list[str]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read().replace(b"\0", b" ").decode(errors="replace")
-        except OSError:
-            continue
-        if any(m in cmd for m in markers):
-            out.append(f"{entry}: {cmd}")
-    return out
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _our_processes(paths: list[str]) -> list[str]:
+    """Processes whose command line names one of `paths` (node agents name their runtime
+    directory; forked workers carry the fork server's command line, checked by pid)."""
+    return [f"{pid}: {cmd}" for pid in os.listdir("/proc") if pid.isdigit()
+            and any(p in (cmd := _cmdline(int(pid))) for p in paths)]
 
 
 def test_kill_campaign_keeps_the_durability_promise():
     env_seed = os.environ.get("NEBULITE_KILL_SEED")
     seed = int(env_seed) if env_seed else random.SystemRandom().randrange(1 << 31)
     threads_before = set(threading.enumerate())
-    tmp_before = set(os.listdir(tempfile.gettempdir()))
     log = io.StringIO()
     configs = list(kill_campaign.CONFIGS.values())
 
@@ -64,11 +62,12 @@ def test_kill_campaign_keeps_the_durability_promise():
     assert len(stats.verified) >= 1 and sum(stats.journaled.values()) >= 1, report
 
     # Nothing is left behind: no process, no thread, no file.
-    assert _our_processes(["kill_zygote.py", "nebulite-kill-", "nbkill-"]) == []
+    assert stats.paths and _our_processes(stats.paths) == []
+    started = [stats.zygote_pid] + stats.pids
+    assert len(started) > KILLS
+    assert [p for p in started if kill_campaign.ZYGOTE in _cmdline(p) or "nebulite.agent" in _cmdline(p)] == []
     assert set(threading.enumerate()) <= threads_before
-    left = sorted(n for n in set(os.listdir(tempfile.gettempdir())) - tmp_before
-                  if n.startswith(("nebulite-kill-", "nbkill-")))
-    assert left == []
+    assert [p for p in stats.paths if os.path.exists(p)] == []
 
 
 def _check(store, journal) -> dict:
