@@ -61,13 +61,14 @@ def test_kill_campaign_keeps_the_durability_promise():
     assert sum(stats.kills.values()) >= KILLS * 3 // 4, report
     assert len(stats.verified) >= 1 and sum(stats.journaled.values()) >= 1, report
 
-    # Nothing is left behind: no process, no thread, no file.
-    assert stats.paths and _our_processes(stats.paths) == []
+    # Nothing is left behind: no process, no thread, no file. (Pids are reused quickly on a
+    # busy machine: a pid counts as ours only with our fork server's command line.)
+    assert stats.paths and _our_processes(stats.paths) == [], report
     started = [stats.zygote_pid] + stats.pids
-    assert len(started) > KILLS
-    assert [p for p in started if kill_campaign.ZYGOTE in _cmdline(p) or "nebulite.agent" in _cmdline(p)] == []
-    assert set(threading.enumerate()) <= threads_before
-    assert [p for p in stats.paths if os.path.exists(p)] == []
+    assert len(started) > KILLS, report
+    assert [p for p in started if kill_campaign.ZYGOTE in _cmdline(p)] == [], report
+    assert set(threading.enumerate()) <= threads_before, report
+    assert [p for p in stats.paths if os.path.exists(p)] == [], report
 
 
 def _check(store, journal) -> dict:
