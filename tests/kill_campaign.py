@@ -961,7 +961,8 @@ def table(stats: Stats, configs: list[Config], seconds: float) -> str:
 
 
 def run(kills: int, seed: int, configs: list[Config], per_scenario: int = 8, keep: bool = False,
-        out=None, verbose: bool = False) -> tuple[Stats, str]:
+        out=None, verbose: bool = False, tag_mode: str | None = None,
+        memory: str | None = None) -> tuple[Stats, str]:
     """The whole campaign; returns its figures and the table."""
     workdir = tempfile.mkdtemp(prefix="nebulite-kill-")
     t0 = time.monotonic()
@@ -973,7 +974,8 @@ def run(kills: int, seed: int, configs: list[Config], per_scenario: int = 8, kee
         campaign.say(f"kill campaign: seed {seed}, {kills} kills, configurations "
                      + ", ".join(c.name for c in configs))
         for i, (config, n) in enumerate(plan(kills, configs, per_scenario)):
-            campaign.scenario(config, f"{seed}:{config.name}:{i}", kills=n)
+            campaign.scenario(config, f"{seed}:{config.name}:{i}", kills=n, tag_mode=tag_mode,
+                              memory=memory)
         stats = campaign.stats
     finally:
         if campaign is not None:
@@ -996,9 +998,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--schedule", default=None,
                    help="rounds of one scenario, as failures print them, separated by ';'")
     p.add_argument("--tag", choices=("step", "last"), default=None,
-                   help="with --schedule or --scenario-seed: the tags the runs save (default: drawn)")
+                   help="the tags every store's runs save (default: drawn per store)")
     p.add_argument("--memory", choices=MEMORY, default=None,
-                   help="with --schedule or --scenario-seed: the memory budget (default: drawn)")
+                   help="the memory budget of every store (default: drawn per store)")
     p.add_argument("--keep", action="store_true", help="keep the stores (printed) for inspection")
     p.add_argument("--verbose", action="store_true", help="a line per round")
     a = p.parse_args(argv)
@@ -1021,7 +1023,8 @@ def main(argv: list[str] | None = None) -> int:
         print(table(c.stats, configs[:1], time.monotonic() - t0))
         return 1 if c.stats.failures else 0
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 31)
-    stats, text = run(a.kills, seed, configs, a.scenario_kills, a.keep, verbose=a.verbose)
+    stats, text = run(a.kills, seed, configs, a.scenario_kills, a.keep, verbose=a.verbose,
+                      tag_mode=a.tag, memory=a.memory)
     print(text)
     return 1 if stats.failures else 0
 
