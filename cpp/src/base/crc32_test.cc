@@ -70,7 +70,10 @@ TEST(Crc32FastPathTest, MatchesZlibOnEverySizeAndAlignment) {
     b = static_cast<unsigned char>(x >> 16);
   }
   for (size_t off = 0; off < 17; ++off) {
-    for (size_t n : {0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 1000, 4096, 4097, 65536, 69000}) {
+    // Around the bounds of each kernel: the 16-byte steps, the 64-byte folding, and the
+    // 256-byte folding of the wide kernel (from 1024 bytes on, where the CPU has it).
+    for (size_t n : {0, 1, 15, 16, 17, 63, 64, 65, 127, 128, 129, 255, 256, 257, 1000, 1023, 1024,
+                     1040, 1088, 1279, 1280, 1296, 4096, 4097, 65536, 69000}) {
       if (off + n > buf.size()) continue;
       EXPECT_EQ(Crc32(0, buf.data() + off, n), Crc32Zlib(0, buf.data() + off, n))
           << off << " " << n;

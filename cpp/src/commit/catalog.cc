@@ -6,6 +6,7 @@
 // committed and intact or invisible, never committed and torn. It counts only versions
 // that pass their check, so a damaged version never makes it delete an intact one.
 #include <algorithm>
+#include <chrono>
 #include <string>
 #include <tuple>
 #include <utility>
@@ -91,8 +92,9 @@ Status VersionChecker::Check(const CatalogEntry& entry) {
                                   " bytes, its manifest says " + std::to_string(f.size));
       }
       // Every file is complete before its manifest, and every manifest before the marker:
-      // a file changed later was changed by someone else. Read it.
-      if (info->mtime_ns <= entry.marker_mtime_ns) continue;
+      // a file changed later was changed by someone else. Read it. Filesystems keep times
+      // in coarse ticks, so a file of the marker's own tick is read too (once: see below).
+      if (info->mtime_ns < entry.marker_mtime_ns) continue;
       const auto key = std::make_tuple(path, info->size, info->mtime_ns);
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -103,7 +105,12 @@ Status VersionChecker::Check(const CatalogEntry& entry) {
         }
       }
       Status st = VerifyDataFile(storage_, path, f);
-      if (st.ok() || st.code() == StatusCode::kCorruption) {
+      // Damage is remembered; so is a file found intact, but only once its mtime is well in
+      // the past: a change within the same tick would keep the key the same.
+      const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                              std::chrono::system_clock::now().time_since_epoch())
+                              .count();
+      if (st.code() == StatusCode::kCorruption || (st.ok() && now - info->mtime_ns > 2000000000)) {
         std::lock_guard<std::mutex> lock(mu_);
         files_[key] = st.ok();
       }

@@ -502,9 +502,12 @@ class EngineImpl : public Engine {
       return Status::FailedPrecondition("version " + from + " of '" + tag + "' is committed");
     if (core_->versions.Find(tag, to))
       return Status::AlreadyExists("version " + to + " of '" + tag + "' exists already");
-    // Nothing of it may be on its way to the store under the old name.
-    core_->changed.wait(
-        lock, [&] { return !core_->persister || !core_->persister->HasJobsLocked(v.get()); });
+    // Nothing of it may be on its way to the store under the old name, and the clean-up
+    // of an abandoned version of the new name must be done.
+    core_->changed.wait(lock, [&] {
+      return !core_->persister || (!core_->persister->HasJobsLocked(v.get()) &&
+                                   !core_->persister->HasJobsLocked(tag, to));
+    });
     if (v->store_touched) {
       lock.unlock();
       Storage* s = core_->storage.get();

@@ -48,10 +48,11 @@ const char* FaultName(Fault f) {
 
 // The objects of checkpoint `c` (1, 2, 3) on `rank`: what the store must hold, bit for bit.
 Object ObjectOf(int c, uint32_t rank) {
-  return MakeObject({200 + 10 * c, 70000 + 4096 * c + 100 * rank, 5000},
+  const size_t k = static_cast<size_t>(c);
+  return MakeObject({200 + 10 * k, 70000 + 4096 * k + 100 * rank, 5000},
                     static_cast<uint8_t>(16 * c + rank));
 }
-std::string TagOf(int c) { return c == 2 ? "step2" : "step" + std::to_string(c); }
+std::string TagOf(int c) { return "step" + std::to_string(c); }
 std::string VersionOf(int c) { return "vsweep-00000" + std::to_string(c); }
 
 struct Ranks {

@@ -56,8 +56,12 @@ void HistoryLog::Append(const HistoryRow& row) {
   if (!storage_ || storage_->read_only()) return;
   if (!header_written_) {
     // The first writer of the store creates the file with its header.
-    Status st = storage_->CreateFileExclusive(kHistoryFile, Header());
-    if (!st.ok() && st.code() != StatusCode::kAlreadyExists) return;
+    Result<bool> exists = storage_->Exists(kHistoryFile);
+    if (!exists.ok()) return;
+    if (!*exists) {
+      Status st = storage_->CreateFileExclusive(kHistoryFile, Header());
+      if (!st.ok() && st.code() != StatusCode::kAlreadyExists) return;
+    }
     header_written_ = true;
   }
   (void)storage_->AppendToFile(kHistoryFile, FormatRow(row));

@@ -45,6 +45,13 @@ bool Persister::HasJobsLocked(const VersionState* v) const {
   return false;
 }
 
+bool Persister::HasJobsLocked(const std::string& tag, const std::string& version) const {
+  if (running_ && running_->tag == tag && running_->version == version) return true;
+  for (const Job& j : queue_)
+    if (j.version->tag == tag && j.version->version == version) return true;
+  return false;
+}
+
 Status Persister::CheckNotCommittedInStore(const std::shared_ptr<VersionState>& v) {
   std::string tag, version;
   {

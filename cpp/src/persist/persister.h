@@ -50,8 +50,9 @@ class Persister {
   void EnqueueVersionLocked(const std::shared_ptr<VersionState>& v);
   void EnqueueCleanupLocked(const std::shared_ptr<VersionState>& v);
   bool IdleLocked() const { return queue_.empty() && !busy_; }
-  // True while a job of `v` is queued or running.
+  // True while a job of `v`, or of any version named (tag, version), is queued or running.
   bool HasJobsLocked(const VersionState* v) const;
+  bool HasJobsLocked(const std::string& tag, const std::string& version) const;
 
   // The failure policy (see above). Takes the mutex; never call it with the mutex held.
   void Fail(const std::shared_ptr<VersionState>& v, const Status& st, const std::string& doing,
