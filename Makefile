@@ -1,8 +1,9 @@
 # The README's commands. Each installs what it needs first (scripts/setup.sh).
 PY := .venv/bin/python
 JOBS ?= 2
+RELIABILITY_KILLS ?= 1000
 
-.PHONY: setup demo test test-cpp test-py bench format clean
+.PHONY: setup demo test test-cpp test-py bench reliability format clean
 
 setup:
 	bash scripts/setup.sh
@@ -23,6 +24,11 @@ test-py:
 
 bench: setup
 	$(PY) benchmarks/bench_suite.py $(BENCH_ARGS)
+
+# The kill campaign (docs/reliability.md): SIGKILLs trainers and node agents at random
+# moments and checks the store after each kill. RELIABILITY_ARGS="--seed N" reruns a campaign.
+reliability: setup
+	$(PY) tests/kill_campaign.py --kills $(RELIABILITY_KILLS) $(RELIABILITY_ARGS)
 
 format:
 	clang-format -i $$(git ls-files 'cpp/*.h' 'cpp/*.cc' 'bindings/*.h' 'bindings/*.cc' 'fuzz/*.cc')

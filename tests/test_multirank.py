@@ -285,3 +285,35 @@ def test_explicit_ranks_persist_every_commit_with_interval_zero(store):
     r0, r1 = _run_ranks("plain_no_flush", store, 2, env=env)
     assert r0["flush_error"] is None, r0["flush_error"]
     assert r0["committed"] == ["t1"] and r1["committed"] == ["t1"]
+
+
+def test_a_save_that_failed_on_one_rank_does_not_put_the_ranks_out_of_step(store):
+    """Rank 0 names every version: a save() that raised on one rank only (and was caught)
+    does not make the ranks' version names differ for the rest of the run."""
+    results = _run_ranks("misstep", store, 2)
+    assert all(r["loaded"] == ["t1", "t2", "t3"] for r in results)
+    nebulite.api._reset_for_tests()
+    for step, tag in enumerate(["t1", "t2", "t3"], start=1):
+        ck = nebulite.get_checkpoint(tag=tag, persist_path=store)
+        for r in range(2):
+            assert _same(ck.load(f"shard_rank{r}"), dist_worker.shard(r, step))
+
+
+def test_a_background_error_on_one_rank_is_raised_by_every_rank(store):
+    """The commit collective carries every rank's error state: all ranks raise together,
+    none is left waiting in a collective."""
+    results = _run_ranks("rank_error", store, 2)
+    for r in results:
+        assert r["raised"] and r["raised"].startswith("PersistError"), r
+        assert "rank 1" in r["raised"], r
+    assert results[0]["raised"] == results[1]["raised"]
+
+
+def test_each_rank_reads_only_its_own_share_at_resume(store):
+    """Resuming with several ranks, each rank checks (and loads) its own files only: the
+    bytes it reads stay close to its own share, whatever the number of ranks and versions."""
+    _run_ranks("shard_save", store, 2, 8)
+    results = _run_ranks("shard_resume", store, 2)
+    for r in results:
+        assert r["own"] > 8 << 20
+        assert r["read"] < 1.2 * r["own"], r

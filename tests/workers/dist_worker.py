@@ -9,6 +9,14 @@ Modes:
   plain                -- no torch.distributed: nm.init(..., rank=R, world_size=2);
                           both ranks commit and flush t1, t2; for t3 rank 1 saves and
                           exits without committing, rank 0 commits and flushes with a timeout.
+  misstep              -- torch.distributed: one save() fails on rank 1 only (caught), the
+                          ranks go on saving, committing and loading t1..t3.
+  rank_error           -- torch.distributed: rank 1's store write of t1 fails in the
+                          background; then both ranks commit t2 and report what they raised.
+  shard_save SIZE_MB   -- torch.distributed: every rank saves its own shard of SIZE_MB MiB
+                          for t1, t2 (retention 2) and flushes.
+  shard_resume         -- torch.distributed: every rank finds the latest checkpoint and loads
+                          its own shard, counting the bytes it read (/proc/self/io).
 Prints one JSON line "RESULT {...}" on success and exits 0.
 """
 
@@ -168,6 +176,118 @@ def run_plain_no_flush(store: str, rank: int) -> dict:
     return out
 
 
+def _init_dist(rank: int, world: int, port: int) -> None:
+    import datetime
+
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=world, timeout=datetime.timedelta(seconds=60))
+
+
+def run_misstep(store: str, rank: int, world: int, port: int) -> dict:
+    import torch.distributed as dist
+
+    _init_dist(rank, world, port)
+    nm.init(persistent_storage_path=store, persistent_time_interval=0,
+            num_of_version_in_retention=0, commit_timeout=20)
+    loaded = []
+    for step in (1, 2, 3):
+        tag = f"t{step}"
+        if rank == 1 and step == 1:
+            try:  # a save that fails on this rank only, caught by the training script
+                nm.Checkpoint(tag, -2).save("bad", lambda: None)
+            except Exception:  # noqa: BLE001
+                pass
+        ck = nm.Checkpoint(tag, -2)
+        ck.save(f"shard_rank{rank}", shard(rank, step))
+        assert ck.commit() is True
+        nm.flush_persistence(timeout=60)
+        latest = nm.get_latest_checkpoint(persist_path=store)
+        assert latest.tag == tag, (rank, latest.tag, tag)
+        for r in range(world):
+            assert same(latest.load(f"shard_rank{r}"), shard(r, step)), (rank, r, tag)
+        loaded.append(tag)
+    dist.barrier()
+    nm.shutdown()
+    dist.destroy_process_group()
+    return {"rank": rank, "loaded": loaded}
+
+
+def run_rank_error(store: str, rank: int, world: int, port: int) -> dict:
+    import torch.distributed as dist
+
+    _init_dist(rank, world, port)
+    nm.init(persistent_storage_path=store, persistent_time_interval=0,
+            num_of_version_in_retention=0, commit_timeout=5, agent=False)
+    ck = nm.Checkpoint("t1", -2)
+    ck.save(f"shard_rank{rank}", shard(rank, 1))
+    if rank == 1:  # a file where this rank's directory goes: its writes of t1 will fail
+        version = nm.api._session.open["t1"].version
+        os.makedirs(os.path.join(store, "t1", version), exist_ok=True)
+        open(os.path.join(store, "t1", version, "rank1"), "w").close()
+    assert ck.commit() is True
+    if rank == 1:  # wait until the failure is known here (and only here)
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and not any(
+                v["failed"] for v in nm.api._session.engine.versions()):
+            time.sleep(0.05)
+    dist.barrier()
+    out: dict = {"rank": rank}
+    ck = nm.Checkpoint("t2", -2)
+    ck.save(f"shard_rank{rank}", shard(rank, 2))
+    try:
+        ck.commit()
+        out["raised"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out["raised"] = f"{type(e).__name__}: {e}"
+    dist.barrier()  # both ranks got here: nobody is left waiting in a collective
+    dist.destroy_process_group()
+    print("RESULT " + json.dumps(out), flush=True)
+    os._exit(0)  # t1 and t2 are not to be persisted: do not wait for them at exit
+
+
+def run_shard_save(store: str, rank: int, world: int, port: int, size_mb: int) -> dict:
+    import torch.distributed as dist
+
+    _init_dist(rank, world, port)
+    nm.init(persistent_storage_path=store, persistent_time_interval=0,
+            num_of_version_in_retention=2, agent=False)
+    n = size_mb * (1 << 20) // 4
+    for step in (1, 2):
+        ck = nm.Checkpoint(f"t{step}", -2)
+        ck.save(f"shard{rank}", {"w": torch.full((n,), float(rank * 10 + step)), "step": step})
+        assert ck.commit() is True
+    nm.flush_persistence(timeout=120)
+    dist.barrier()
+    nm.shutdown()
+    dist.destroy_process_group()
+    return {"rank": rank}
+
+
+def _bytes_read() -> int:
+    with open("/proc/self/io") as f:
+        return int(next(line for line in f if line.startswith("rchar:")).split()[1])
+
+
+def run_shard_resume(store: str, rank: int, world: int, port: int) -> dict:
+    import torch.distributed as dist
+
+    _init_dist(rank, world, port)
+    nm.init(agent=False)
+    before = _bytes_read()
+    latest = nm.get_latest_checkpoint(persist_path=store)
+    got = latest.load(f"shard{rank}")
+    read = _bytes_read() - before
+    assert latest.tag == "t2" and got["step"] == 2 and float(got["w"][0]) == rank * 10 + 2
+    version = next(e["version"] for e in nm._core.read_catalog(store)[0] if e["tag"] == "t2")
+    own = sum(f[1] for f in nm._core.read_manifest(store, "t2", version, rank)["files"])
+    dist.barrier()
+    nm.shutdown()
+    dist.destroy_process_group()
+    return {"rank": rank, "read": read, "own": own}
+
+
 def main() -> None:
     mode, store, rank, world, port = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     if mode == "dist":
@@ -176,6 +296,14 @@ def main() -> None:
         out = run_plain(store, rank)
     elif mode == "plain_no_flush":
         out = run_plain_no_flush(store, rank)
+    elif mode == "misstep":
+        out = run_misstep(store, rank, world, port)
+    elif mode == "rank_error":
+        out = run_rank_error(store, rank, world, port)
+    elif mode == "shard_save":
+        out = run_shard_save(store, rank, world, port, int(sys.argv[6]))
+    elif mode == "shard_resume":
+        out = run_shard_resume(store, rank, world, port)
     else:
         raise SystemExit(f"unknown mode {mode}")
     print("RESULT " + json.dumps(out), flush=True)
