@@ -7,9 +7,10 @@
 
 For each workload (a state dict saved by every candidate, same bytes, same disk): blocking
 time per save, time until committed, load time (cold page cache and memory tier), peak
-memory beyond the model; then a training run with a checkpoint every N steps. Printed as
-a table with every target's measured ratio, and written to benchmarks/results/ as JSON and
-a PNG plot. benchmarks/README.md explains each figure.
+memory beyond the model; the resume workload (several ranks, each process resuming its own
+shard, against DCP); then a training run with a checkpoint every N steps. Printed as a table
+with every target's measured ratio, and written to benchmarks/results/ as JSON and a PNG
+plot. benchmarks/README.md explains each figure.
 """
 
 from __future__ import annotations
@@ -21,11 +22,13 @@ import os
 import platform
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 import psutil
 
@@ -40,6 +43,9 @@ from suite.monitor import PeakSampler, tree_pss  # noqa: E402
 GB = 1e9
 MiB = 1 << 20
 GiB = 1 << 30
+
+#: The resume workload's name in --workloads (its ranks are run by run_resume, not run_workload).
+RESUME = "resume"
 
 
 class WorkerFailed(RuntimeError):
@@ -68,14 +74,8 @@ class Runner:
             baselines: dict[str, int] = {}
             samplers: dict[str, PeakSampler] = {}
             memory: dict[str, Any] = {}
-            assert p.stdout is not None and p.stdin is not None
-            for line in p.stdout:
-                if not line.startswith(PREFIX):
-                    log.write(line)
-                    if self.verbose:
-                        print(line, end="", file=sys.stderr)
-                    continue
-                msg = json.loads(line[len(PREFIX):])
+            assert p.stdin is not None
+            for msg in self._messages(p, log):
                 op = msg["op"]
                 if op == "baseline":
                     baselines[msg["key"]] = tree_pss(p.pid)[0]
@@ -106,6 +106,78 @@ class Runner:
         if memory:
             result["memory"] = memory
         return result
+
+    def run_ranks(self, module: str, specs: list[dict[str, Any]],
+                  extra_env: dict[str, str] | None = None) -> list[dict[str, Any]]:
+        """Runs one process per spec, all at once (the ranks of one job), and returns their
+        results in the order of `specs`. When one fails, the others are stopped: they would
+        wait for it in a collective until their timeout."""
+        self.count += 1
+        env = dict(self.env, **(extra_env or {}))
+        procs: list[subprocess.Popen] = []
+        logs: list[tuple[str, Any]] = []
+        results: list[dict[str, Any] | None] = [None] * len(specs)
+        threads: list[threading.Thread] = []
+
+        def pump(i: int, p: subprocess.Popen, log: Any) -> None:
+            for msg in self._messages(p, log):
+                if msg["op"] == "progress":
+                    print(msg["text"], flush=True)
+                elif msg["op"] == "result":
+                    results[i] = msg["data"]
+
+        try:
+            for i, spec in enumerate(specs):
+                name = f"{module}-{spec.get('role', '')}-rank{spec.get('rank', i)}"
+                log_path = os.path.join(self.log_dir, f"{self.count:02d}-{name}.log")
+                log = open(log_path, "w")  # noqa: SIM115 - closed below, after its process
+                logs.append((log_path, log))
+                p = subprocess.Popen([sys.executable, "-m", f"suite.{module}", json.dumps(spec)],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=log,
+                                     text=True, bufsize=1, env=env)
+                procs.append(p)
+                t = threading.Thread(target=pump, args=(i, p, log), daemon=True)
+                t.start()
+                threads.append(t)
+            while True:
+                codes = [p.poll() for p in procs]
+                if any(c not in (None, 0) for c in codes) or all(c == 0 for c in codes):
+                    break
+                time.sleep(0.1)
+        finally:
+            for p in procs:  # only if one failed (or this process is interrupted)
+                if p.poll() is None:
+                    p.terminate()
+            for p in procs:
+                try:
+                    p.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    p.kill()
+                    p.wait()
+            for t in threads:
+                t.join()
+            for _, log in logs:
+                log.close()
+        failed = [i for i, (p, r) in enumerate(zip(procs, results)) if p.returncode != 0 or r is None]
+        if failed:
+            # The first to fail is the one that exited on its own (the others were stopped).
+            i = min(failed, key=lambda i: (procs[i].returncode in (-signal.SIGTERM, -signal.SIGKILL), i))
+            with open(logs[i][0]) as f:
+                tail = f.read()[-3000:]
+            raise WorkerFailed(f"{module} rank {i} of {len(specs)} failed (exit {procs[i].returncode}); "
+                               f"log {logs[i][0]}:\n{tail}")
+        return [r for r in results if r is not None]
+
+    def _messages(self, p: subprocess.Popen, log: Any) -> Iterator[dict[str, Any]]:
+        """The requests a worker writes to stdout; its other output goes to its log."""
+        assert p.stdout is not None
+        for line in p.stdout:
+            if not line.startswith(PREFIX):
+                log.write(line)
+                if self.verbose:
+                    print(line, end="", file=sys.stderr)
+                continue
+            yield json.loads(line[len(PREFIX):])
 
     @staticmethod
     def _reply(p: subprocess.Popen) -> None:
@@ -237,12 +309,53 @@ def run_workload(runner: Runner, name: str, args: argparse.Namespace, work: str)
     return families, loads, cold
 
 
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_resume(runner: Runner, args: argparse.Namespace, work: str) -> dict[str, Any]:
+    """The resume workload: `--resume-ranks` processes save their shards (nebulite, then
+    DCP) and exit; then, `--load-reps` times each, as many fresh processes resume from the
+    store with nebulite and from DCP's checkpoint, each after evicting the files from the
+    page cache (nebulite and DCP take turns going first)."""
+    world, reps = args.resume_ranks, args.load_reps
+    rdir = tempfile.mkdtemp(prefix="resume-", dir=work)
+    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
+    base = {"world": world, "shard_mb": args.resume_shard_mb, "checkpoints": args.resume_checkpoints,
+            "root": os.path.join(rdir, "nebulite"), "dcp_dir": os.path.join(rdir, "dcp"),
+            "memory_factor": args.memory_factor, "timeout_s": 300}
+    env = {"NEBULITE_RUNTIME_DIR": runtime}
+    out: dict[str, Any] = {"ranks": world, "shard_mb": args.resume_shard_mb,
+                           "checkpoints": args.resume_checkpoints, "retention": 2, "reps": reps,
+                           "nebulite": [], "dcp": []}
+    try:
+        print(f"{RESUME}: {world} ranks save {args.resume_shard_mb} MiB shards", flush=True)
+        port = _free_port()
+        saved = runner.run_ranks("resume", [dict(base, role="save", rank=r, port=port) for r in range(world)], env)
+        out["save"] = saved
+        for rep in range(reps):
+            for kind in ("nebulite", "dcp") if rep % 2 == 0 else ("dcp", "nebulite"):
+                cold = pagecache.make_cold([base["root"], base["dcp_dir"]], args.drop_caches)
+                print(f"{RESUME}: {kind}, resume {rep + 1} of {reps}", flush=True)
+                port = _free_port()
+                ranks = runner.run_ranks(
+                    "resume", [dict(base, role=kind, rank=r, port=port, step=saved[r]["step"],
+                                    fingerprint=saved[r]["fingerprint"]) for r in range(world)], env)
+                out[kind].append({"ranks": ranks, "cold": cold})
+    finally:
+        shutil.rmtree(rdir, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
+    return out
+
+
 def rereport(path: str, no_plot: bool) -> int:
     """The table, targets and plot of a result file, derived again from its measurements."""
     with open(path) as f:
         result = json.load(f)
     result["targets"] = report.targets({w: s for w, s in result["summaries"].items() if not s.get("skipped")},
-                                       result["limits"], result.get("train"))
+                                       result["limits"], result.get("train"), result.get("resume"))
     text = report.table(result)
     print(text)
     base = os.path.splitext(path)[0]
@@ -257,8 +370,8 @@ def rereport(path: str, no_plot: bool) -> int:
 def main() -> int:
     ap = argparse.ArgumentParser(description="nebulite benchmark suite (see benchmarks/README.md)")
     ap.add_argument("--workloads", default=None,
-                    help=f"comma-separated, from: {', '.join(workloads.WORKLOADS)} "
-                         f"(default: {','.join(workloads.DEFAULT_WORKLOADS)})")
+                    help=f"comma-separated, from: {', '.join(workloads.WORKLOADS)}, {RESUME} "
+                         f"(default: {','.join(workloads.DEFAULT_WORKLOADS)},{RESUME})")
     ap.add_argument("--quick", action="store_true",
                     help=f"{','.join(workloads.QUICK_WORKLOADS)}, 2 reps, 2 training rounds")
     ap.add_argument("--smoke", action="store_true", help="tiny states and training: seconds (smoke test)")
@@ -271,6 +384,12 @@ def main() -> int:
                     help="how loads are made cold: fadvise(DONTNEED) on the files, dropping the whole "
                          "page cache, or auto (fadvise, then global if pages stayed)")
     ap.add_argument("--load-reps", type=int, default=None, help="loads per kind, each in a fresh process (3)")
+    ap.add_argument("--resume-ranks", type=int, default=None,
+                    help=f"the {RESUME} workload: ranks, one process each (4)")
+    ap.add_argument("--resume-shard-mb", type=int, default=None,
+                    help=f"the {RESUME} workload: MiB of state per rank (256)")
+    ap.add_argument("--resume-checkpoints", type=int, default=3,
+                    help=f"the {RESUME} workload: checkpoints saved before the resume (3; retention keeps 2)")
     ap.add_argument("--no-train", action="store_true", help="skip the training run")
     ap.add_argument("--train-workload", default=None, help="model of the training run (gpt2-124m)")
     ap.add_argument("--ckpt-every", type=int, default=10, help="a checkpoint every N steps (10)")
@@ -293,19 +412,26 @@ def main() -> int:
         args.train_workload = args.train_workload or "gpt2-tiny"
         args.train_rounds = args.train_rounds or 1
         args.ckpt_every = 2
+        args.resume_ranks = args.resume_ranks or 2
+        args.resume_shard_mb = args.resume_shard_mb or 1
         limit_bytes = 64 * MiB
     elif args.quick:
-        names = list(workloads.QUICK_WORKLOADS)
+        names = list(workloads.QUICK_WORKLOADS) + [RESUME]
         args.reps = args.reps or 2
         args.train_rounds = args.train_rounds or 2
         limit_bytes = 512 * MiB
     else:
-        names = list(workloads.DEFAULT_WORKLOADS)
+        names = list(workloads.DEFAULT_WORKLOADS) + [RESUME]
         limit_bytes = GiB
     if args.workloads:
         names = [n.strip() for n in args.workloads.split(",") if n.strip()]
         for n in names:
-            workloads.get(n)
+            if n != RESUME:
+                workloads.get(n)
+    args.resume_ranks = args.resume_ranks or 4
+    args.resume_shard_mb = args.resume_shard_mb or 256
+    if args.resume_ranks < 1 or args.resume_shard_mb < 1 or args.resume_checkpoints < 1:
+        ap.error("--resume-ranks, --resume-shard-mb and --resume-checkpoints must be at least 1")
     args.reps = args.reps or 3
     args.load_reps = args.load_reps or (2 if args.quick else 3)
     args.train_workload = args.train_workload or "gpt2-124m"
@@ -335,6 +461,18 @@ def main() -> int:
         result["limits_start"] = measure_limits()
         colds = set()
         for name in names:
+            if name == RESUME:
+                # Per rank: its shard, nebulite's memory budget for it, and a little.
+                need = 2.3 * args.resume_ranks * args.resume_shard_mb * MiB + GiB
+                avail = psutil.virtual_memory().available
+                if avail < need:
+                    why = f"needs about {need / GB:.1f} GB of free memory, {avail / GB:.1f} GB available"
+                    print(f"{name}: skipped ({why})", flush=True)
+                    result["resume"] = {"skipped": why}
+                else:
+                    result["resume"] = run_resume(runner, args, work)
+                    result["resume"]["summary"] = report.resume_summary(result["resume"])
+                continue
             need = 2.3 * estimated_bytes(name) + GiB
             avail = psutil.virtual_memory().available
             if avail < need:
@@ -371,7 +509,7 @@ def main() -> int:
         shutil.rmtree(work, ignore_errors=True)
     result["machine"]["loadavg_end"] = " ".join(f"{x:.2f}" for x in os.getloadavg())
     result["targets"] = report.targets({w: s for w, s in result["summaries"].items() if not s.get("skipped")},
-                                       result["limits"], result.get("train"))
+                                       result["limits"], result.get("train"), result.get("resume"))
     result["seconds"] = time.perf_counter() - t_start
     text = report.table(result)
     print()

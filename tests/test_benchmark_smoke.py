@@ -42,6 +42,50 @@ def test_bench_suite_smoke(tmp_path: Path) -> None:
     assert not any(work.iterdir())
 
 
+def test_bench_suite_resume_smoke(tmp_path: Path) -> None:
+    """The resume workload with 2 ranks of 1 MiB: every rank resumes its own shard with
+    nebulite and with DCP, and the result holds what the table, targets and plot need."""
+    out = tmp_path / "results"
+    work = tmp_path / "work"
+    result = subprocess.run(
+        [sys.executable, str(BENCH / "bench_suite.py"), "--smoke", "--workloads", "resume", "--no-train",
+         "--dir", str(work), "--out", str(out)],
+        capture_output=True, text=True, timeout=300,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "resume time, s" in result.stdout and "bytes read (rchar) / own share" in result.stdout
+    data = json.loads((out / "latest.json").read_text())
+    assert data["summaries"] == {} and "train" not in data
+    r = data["resume"]
+    assert (r["ranks"], r["shard_mb"], r["checkpoints"], r["retention"], r["reps"]) == (2, 1, 3, 2, 1)
+    assert [s["rank"] for s in r["save"]] == [0, 1] and all(s["step"] == 3 for s in r["save"])
+    for kind in ("nebulite", "dcp"):
+        (run,) = r[kind]
+        assert run["cold"]["method"]
+        assert [x["rank"] for x in run["ranks"]] == [0, 1]
+        for x in run["ranks"]:
+            assert x["seconds"] > 0
+            assert x["own_bytes"] >= 1 << 20 and x["own_bytes"] == sum(x["own_files"].values())
+            assert x["io"]["rchar"] > 0 and x["io"]["read_bytes"] >= 0
+    # nebulite: each rank resumed the newest of the two checkpoints retention kept, from its
+    # own data file; DCP: each rank's items are in a file of its own.
+    for x in r["nebulite"][0]["ranks"]:
+        assert x["tag"] == "step3" and x["store"] == ["step2", "step3"]
+        assert list(x["own_files"]) == [f"shard{x['rank']}"] and 0 < x["find_s"] <= x["seconds"]
+    dcp_files = [list(x["own_files"]) for x in r["dcp"][0]["ranks"]]
+    assert all(len(f) == 1 for f in dcp_files) and dcp_files[0] != dcp_files[1]
+    assert all(x["files_shared_with"] == [] for x in r["dcp"][0]["ranks"])
+    s = r["summary"]
+    for kind in ("nebulite", "dcp"):
+        k = s["kinds"][kind]
+        assert len(k["rank_s"]) == 2 and k["max_s"] == max(k["rank_s"])
+        assert len(k["rchar_ratio"]) == 2 and len(k["read_bytes_ratio"]) == 2
+    rows = [t for t in data["targets"] if t["target"].startswith(("resume", "(no target) resume"))]
+    assert len(rows) == 3 and all(t["single"] and t["value"] > 0 for t in rows)
+    assert (out / "latest.png").stat().st_size > 0
+    assert not any(work.iterdir())
+
+
 def test_profile_load_smoke(tmp_path: Path) -> None:
     result = subprocess.run(
         [sys.executable, str(BENCH / "profile_load.py"), "--workload", "syn-tiny", "--dir", str(tmp_path)],

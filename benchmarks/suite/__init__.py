@@ -4,6 +4,7 @@
 - `limits`: the machine's own limits (memcpy, O_DIRECT write and read);
 - `worker`: one process per candidate (torch.save, DCP, nebulite modes), run by the suite;
 - `loader`: one process per cold load, so that nothing of the saving process is reused;
+- `resume`: one rank of the resume workload (ranks save their shards, fresh ranks resume them);
 - `train`: the training run with a checkpoint every N steps;
 - `monitor`: peak memory (PSS) of a process and its descendants;
 - `report`: the table, the targets, the plot.
