@@ -3,7 +3,7 @@ PY := .venv/bin/python
 JOBS ?= 2
 RELIABILITY_KILLS ?= 1000
 
-.PHONY: setup demo test test-cpp test-py bench reliability format clean
+.PHONY: setup demo test test-cpp-build test-cpp test-py bench reliability format clean
 
 setup:
 	bash scripts/setup.sh
@@ -13,10 +13,12 @@ demo: setup
 
 test: setup test-cpp test-py
 
-test-cpp:
+test-cpp-build:
 	.venv/bin/cmake -S . -B build/tests -G Ninja -DNEBULITE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
 	  -DCMAKE_MAKE_PROGRAM=$(CURDIR)/.venv/bin/ninja >/dev/null
 	.venv/bin/ninja -C build/tests -j $(JOBS) nebulite_tests
+
+test-cpp: test-cpp-build
 	./build/tests/nebulite_tests --gtest_brief=1
 
 test-py:
@@ -25,9 +27,12 @@ test-py:
 bench: setup
 	$(PY) benchmarks/bench_suite.py $(BENCH_ARGS)
 
-# The kill campaign (docs/reliability.md): SIGKILLs trainers and node agents at random
-# moments and checks the store after each kill. RELIABILITY_ARGS="--seed N" reruns a campaign.
-reliability: setup
+# docs/reliability.md: the fault-injection sweep with 1, 2 and 3 ranks, then the kill campaign
+# (SIGKILLs trainers and node agents at random moments and checks the store after each kill).
+# RELIABILITY_ARGS="--seed N" reruns a campaign.
+reliability: setup test-cpp-build
+	NEBULITE_FAULT_SWEEP_RANKS=1,2,3 ./build/tests/nebulite_tests --gtest_filter='*FaultSweep*' \
+	  --gtest_brief=1 | grep -v '^Running main'
 	$(PY) tests/kill_campaign.py --kills $(RELIABILITY_KILLS) $(RELIABILITY_ARGS)
 
 format:

@@ -12,8 +12,10 @@
 //      keeps as the only one.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstdio>
+#include <cstdlib>
 #include <string>
 #include <vector>
 
@@ -224,8 +226,26 @@ TEST_P(FaultSweepTest, EveryOperationOfPersistCommitAndRetention) {
   EXPECT_GT(stats.kept_previous, 0);  // the sweep reached the operations before the commit
 }
 
+// The rank counts swept: 1 and 2, or those listed in $NEBULITE_FAULT_SWEEP_RANKS ("1,2,3";
+// make reliability sweeps 3 ranks too).
+std::vector<uint32_t> SweptRanks() {
+  std::vector<uint32_t> out;
+  const char* env = std::getenv("NEBULITE_FAULT_SWEEP_RANKS");
+  std::string list = env && *env ? env : "1,2";
+  size_t start = 0;
+  while (start < list.size()) {
+    size_t comma = list.find(',', start);
+    if (comma == std::string::npos) comma = list.size();
+    const int n = std::atoi(list.substr(start, comma - start).c_str());
+    if (n >= 1 && n <= 8) out.push_back(static_cast<uint32_t>(n));
+    start = comma + 1;
+  }
+  if (out.empty()) out = {1, 2};
+  return out;
+}
+
 INSTANTIATE_TEST_SUITE_P(Engine, FaultSweepTest,
-                         ::testing::Combine(::testing::Values(1u, 2u),
+                         ::testing::Combine(::testing::ValuesIn(SweptRanks()),
                                             ::testing::Values(Fault::kIOError, Fault::kNoSpace,
                                                               Fault::kCrash)),
                          [](const ::testing::TestParamInfo<std::tuple<uint32_t, Fault>>& info) {
