@@ -144,6 +144,11 @@ Result<RetentionResult> ApplyRetention(Storage* storage, uint32_t keep, VersionC
                                        const std::string& protect_tag = "",
                                        const std::string& protect_version = "");
 
+// Checks that the data file `path` exists as a regular file of `f.size` bytes: Corruption
+// naming it otherwise (another error when the store cannot tell). Returns what it found.
+Result<FileInfo> CheckDataFilePresent(Storage* storage, const std::string& path,
+                                      const ManifestFile& f);
+
 // Deletes one committed version as retention does: its marker first, durably, then its
 // files, then its tag's directory if that is empty.
 Status RetireVersion(Storage* storage, const std::string& tag, const std::string& version);

@@ -77,25 +77,12 @@ Status VersionChecker::Check(const CatalogEntry& entry) {
     }
     for (const ManifestFile& f : m.files) {
       const std::string path = DataFilePath(c.tag, c.version, r, f.name);
-      Result<FileInfo> info = storage_->Stat(path);
-      if (!info.ok()) {
-        if (info.status().code() == StatusCode::kNotFound) {
-          return Status::Corruption("data file '" + path + "' is missing");
-        }
-        return info.status();
-      }
-      if (info->type != FileType::kFile) {
-        return Status::Corruption("data file '" + path + "' is not a regular file");
-      }
-      if (info->size != f.size) {
-        return Status::Corruption("data file '" + path + "' has " + std::to_string(info->size) +
-                                  " bytes, its manifest says " + std::to_string(f.size));
-      }
+      NEBULITE_ASSIGN_OR_RETURN(FileInfo info, CheckDataFilePresent(storage_, path, f));
       // Every file is complete before its manifest, and every manifest before the marker:
       // a file changed later was changed by someone else. Read it. Filesystems keep times
       // in coarse ticks, so a file of the marker's own tick is read too (once: see below).
-      if (info->mtime_ns < entry.marker_mtime_ns) continue;
-      const auto key = std::make_tuple(path, info->size, info->mtime_ns);
+      if (info.mtime_ns < entry.marker_mtime_ns) continue;
+      const auto key = std::make_tuple(path, info.size, info.mtime_ns);
       {
         std::lock_guard<std::mutex> lock(mu_);
         auto it = files_.find(key);
@@ -110,7 +97,7 @@ Status VersionChecker::Check(const CatalogEntry& entry) {
       const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                               std::chrono::system_clock::now().time_since_epoch())
                               .count();
-      if (st.code() == StatusCode::kCorruption || (st.ok() && now - info->mtime_ns > 2000000000)) {
+      if (st.code() == StatusCode::kCorruption || (st.ok() && now - info.mtime_ns > 2000000000)) {
         std::lock_guard<std::mutex> lock(mu_);
         files_[key] = st.ok();
       }

@@ -66,26 +66,32 @@ bool ParseSeqName(const std::string& name, uint64_t* seq) {
 // Checks that every file `m` names exists as a regular file of its size.
 Status CheckFilesExist(Storage* storage, const Manifest& m) {
   for (const ManifestFile& f : m.files) {
-    const std::string path = DataFilePath(m.tag, m.version, m.rank, f.name);
-    Result<FileInfo> info = storage->Stat(path);
-    if (!info.ok()) {
-      if (info.status().code() == StatusCode::kNotFound) {
-        return Status::Corruption("data file '" + path + "' is missing");
-      }
-      return info.status();
-    }
-    if (info->type != FileType::kFile) {
-      return Status::Corruption("data file '" + path + "' is not a regular file");
-    }
-    if (info->size != f.size) {
-      return Status::Corruption("data file '" + path + "' has " + std::to_string(info->size) +
-                                " bytes, its manifest says " + std::to_string(f.size));
-    }
+    NEBULITE_RETURN_IF_ERROR(
+        CheckDataFilePresent(storage, DataFilePath(m.tag, m.version, m.rank, f.name), f).status());
   }
   return Status::OK();
 }
 
 }  // namespace
+
+Result<FileInfo> CheckDataFilePresent(Storage* storage, const std::string& path,
+                                      const ManifestFile& f) {
+  Result<FileInfo> info = storage->Stat(path);
+  if (!info.ok()) {
+    if (info.status().code() == StatusCode::kNotFound) {
+      return Status::Corruption("data file '" + path + "' is missing");
+    }
+    return info.status();
+  }
+  if (info->type != FileType::kFile) {
+    return Status::Corruption("data file '" + path + "' is not a regular file");
+  }
+  if (info->size != f.size) {
+    return Status::Corruption("data file '" + path + "' has " + std::to_string(info->size) +
+                              " bytes, its manifest says " + std::to_string(f.size));
+  }
+  return info;
+}
 
 Status ValidateTag(const std::string& tag) { return ValidateStoreName(tag, "tag"); }
 Status ValidateVersionName(const std::string& version) {

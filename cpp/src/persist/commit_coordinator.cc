@@ -7,19 +7,6 @@
 
 namespace nebulite {
 
-void CommitCoordinator::Start(std::shared_ptr<EngineCore> keepalive) {
-  thread_.Start(std::move(keepalive), [this] { Loop(); });
-}
-
-void CommitCoordinator::Stop(Clock::time_point deadline) {
-  {
-    std::lock_guard<std::mutex> lock(core_->mu);
-    stop_ = true;
-  }
-  core_->changed.notify_all();
-  thread_.JoinUntil(deadline);
-}
-
 void CommitCoordinator::AddLocked(const std::shared_ptr<VersionState>& v) {
   pending_.emplace_back(v, Clock::now());
   core_->changed.notify_all();

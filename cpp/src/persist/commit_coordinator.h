@@ -19,17 +19,15 @@
 #include <utility>
 #include <vector>
 
-#include "persist/background_thread.h"
-#include "persist/engine_core.h"
+#include "persist/background_loop.h"
 
 namespace nebulite {
 
-class CommitCoordinator {
+// Its thread runs with several ranks only; Stop() stops waiting for other ranks (pending
+// versions stay uncommitted).
+class CommitCoordinator : public BackgroundLoop {
  public:
-  explicit CommitCoordinator(EngineCore* core) : core_(core) {}
-  void Start(std::shared_ptr<EngineCore> keepalive);  // with several ranks only
-  // Stops waiting for other ranks (pending versions stay uncommitted); detaches at `deadline`.
-  void Stop(Clock::time_point deadline);
+  explicit CommitCoordinator(EngineCore* core) : BackgroundLoop(core) {}
 
   void AddLocked(const std::shared_ptr<VersionState>& v);
   bool IdleLocked() const { return pending_.empty() && !busy_; }
@@ -39,14 +37,11 @@ class CommitCoordinator {
   Status CommitNow(const std::shared_ptr<VersionState>& v);
 
  private:
-  void Loop();
+  void Loop() override;
 
-  EngineCore* const core_;
   std::vector<std::pair<std::shared_ptr<VersionState>, Clock::time_point>>
       pending_;        // GUARDED_BY(core_->mu)
   bool busy_ = false;  // GUARDED_BY(core_->mu)
-  bool stop_ = false;  // GUARDED_BY(core_->mu)
-  BackgroundThread thread_;
 };
 
 }  // namespace nebulite

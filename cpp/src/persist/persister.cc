@@ -6,19 +6,6 @@
 
 namespace nebulite {
 
-void Persister::Start(std::shared_ptr<EngineCore> keepalive) {
-  thread_.Start(std::move(keepalive), [this] { Loop(); });
-}
-
-void Persister::Stop(Clock::time_point deadline) {
-  {
-    std::lock_guard<std::mutex> lock(core_->mu);
-    stop_ = true;
-  }
-  core_->changed.notify_all();
-  thread_.JoinUntil(deadline);
-}
-
 void Persister::EnqueueObjectLocked(const std::shared_ptr<VersionState>& v, ObjectState* o) {
   o->queued = true;
   queue_.push_back({Kind::kObject, v, o});

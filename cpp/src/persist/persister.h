@@ -32,18 +32,15 @@
 #include <memory>
 #include <string>
 
-#include "persist/background_thread.h"
-#include "persist/engine_core.h"
+#include "persist/background_loop.h"
 
 namespace nebulite {
 
-class Persister {
+// Stop() lets it run what remains of committed versions and clean-ups; writes of versions
+// not committed are dropped.
+class Persister : public BackgroundLoop {
  public:
-  explicit Persister(EngineCore* core) : core_(core) {}
-  void Start(std::shared_ptr<EngineCore> keepalive);
-  // Runs what remains of committed versions and clean-ups, drops the writes of versions
-  // not committed, and stops; detaches at `deadline`.
-  void Stop(Clock::time_point deadline);
+  explicit Persister(EngineCore* core) : BackgroundLoop(core) {}
 
   void EnqueueObjectLocked(const std::shared_ptr<VersionState>& v, ObjectState* o);
   // The objects of `v` not written yet, then its finish job.
@@ -69,16 +66,13 @@ class Persister {
     std::shared_ptr<VersionState> version;
     ObjectState* object = nullptr;
   };
-  void Loop();
+  void Loop() override;
   Status WriteObject(const std::shared_ptr<VersionState>& v, ObjectState* o);
   Status Finish(const std::shared_ptr<VersionState>& v);
 
-  EngineCore* const core_;
   std::deque<Job> queue_;                  // GUARDED_BY(core_->mu)
   const VersionState* running_ = nullptr;  // GUARDED_BY(core_->mu)
   bool busy_ = false;                      // GUARDED_BY(core_->mu)
-  bool stop_ = false;                      // GUARDED_BY(core_->mu)
-  BackgroundThread thread_;
 };
 
 }  // namespace nebulite

@@ -4,19 +4,6 @@
 
 namespace nebulite {
 
-void Stager::Start(std::shared_ptr<EngineCore> keepalive) {
-  thread_.Start(std::move(keepalive), [this] { Loop(); });
-}
-
-void Stager::Stop(Clock::time_point deadline) {
-  {
-    std::lock_guard<std::mutex> lock(core_->mu);
-    stop_ = true;
-  }
-  core_->changed.notify_all();
-  thread_.JoinUntil(deadline);
-}
-
 void Stager::EnqueueLocked(std::shared_ptr<VersionState> v, ObjectState* o,
                            std::vector<CopySpan> spans, std::vector<size_t> records) {
   o->sealed = false;

@@ -10,17 +10,14 @@
 #include <vector>
 
 #include "nebulite/copy_engine.h"
-#include "persist/background_thread.h"
-#include "persist/engine_core.h"
+#include "persist/background_loop.h"
 
 namespace nebulite {
 
-class Stager {
+// Stop() lets it finish the queued copies first.
+class Stager : public BackgroundLoop {
  public:
-  explicit Stager(EngineCore* core) : core_(core) {}
-  void Start(std::shared_ptr<EngineCore> keepalive);
-  // Stops after the queued copies, or detaches at `deadline`.
-  void Stop(Clock::time_point deadline);
+  explicit Stager(EngineCore* core) : BackgroundLoop(core) {}
 
   // Queues the copy of `spans`, which fill records `records` of `o`.
   void EnqueueLocked(std::shared_ptr<VersionState> v, ObjectState* o, std::vector<CopySpan> spans,
@@ -36,13 +33,10 @@ class Stager {
     std::vector<CopySpan> spans;
     std::vector<size_t> records;
   };
-  void Loop();
+  void Loop() override;
 
-  EngineCore* const core_;
   std::deque<Job> queue_;  // GUARDED_BY(core_->mu)
   bool busy_ = false;      // GUARDED_BY(core_->mu)
-  bool stop_ = false;      // GUARDED_BY(core_->mu)
-  BackgroundThread thread_;
 };
 
 }  // namespace nebulite
