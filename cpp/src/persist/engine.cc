@@ -424,25 +424,13 @@ class EngineImpl : public Engine {
           awaiting.push_back({v, {v->tag, v->version}});
       }
       if (!pending && core_->opts.rank != 0 && !awaiting.empty()) {
-        // Other ranks learn of commits by seeing the marker. Rank 0 gives up on a version
-        // after the commit timeout: past twice that, so does this rank.
+        // Other ranks learn of commits by seeing the marker. (Rank 0 may give up on a
+        // version after the commit timeout: this rank then waits until its own deadline,
+        // since nothing in the store says so, and rank 0 may be slower than this one.)
         lock.unlock();
-        std::vector<std::shared_ptr<VersionState>> seen, given_up;
-        for (auto& [v, name] : awaiting) {
-          if (CommittedOrRetired(name.first, name.second)) {
-            seen.push_back(v);
-          } else if (SecondsBetween(v->persisted_at, Clock::now()) >
-                     2 * core_->opts.commit_timeout_seconds) {
-            given_up.push_back(v);
-          }
-        }
-        for (auto& v : given_up) {
-          core_->persister->Fail(
-              v,
-              Status::Cancelled("rank 0 did not commit it within the commit timeout of " +
-                                std::to_string(core_->opts.commit_timeout_seconds) + " s"),
-              "committing");
-        }
+        std::vector<std::shared_ptr<VersionState>> seen;
+        for (auto& [v, name] : awaiting)
+          if (CommittedOrRetired(name.first, name.second)) seen.push_back(v);
         lock.lock();
         for (auto& v : seen) v->store_committed = true;
         if (!seen.empty()) core_->versions.ApplyRetention();

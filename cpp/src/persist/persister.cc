@@ -195,7 +195,6 @@ Status Persister::Finish(const std::shared_ptr<VersionState>& v) {
   {
     std::lock_guard<std::mutex> lock(core_->mu);
     v->persisted = true;
-    v->persisted_at = Clock::now();
     if (core_->opts.world_size > 1) {
       if (core_->coordinator) core_->coordinator->AddLocked(v);
       return Status::OK();

@@ -16,7 +16,6 @@
 // Thread-safety: none. The engine calls every method with its mutex held.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <list>
 #include <memory>
@@ -58,8 +57,7 @@ struct VersionState {
   bool store_touched = false;       // this rank created something of it in the store
   bool manifest_attempted = false;  // this rank's manifest may be published: keep its files
   bool persisted = false;           // this rank's manifest is durable
-  std::chrono::steady_clock::time_point persisted_at;  // when it became so
-  bool store_committed = false;                        // the commit marker is known to exist
+  bool store_committed = false;     // the commit marker is known to exist
   bool failed = false;
   bool failure_flushed = false;  // a Flush() has returned this failure
   Status error;
