@@ -8,7 +8,10 @@ import os
 import shutil
 import socket
 import struct
+import subprocess
+import sys
 import tempfile
+import textwrap
 import threading
 import time
 from pathlib import Path
@@ -248,6 +251,41 @@ def test_a_connection_that_never_said_hello_leaves_no_error_behind(
     assert raised == []
     assert agent.clients == 0
 
+
+
+def test_a_pin_of_an_object_still_being_staged_is_refused(make_agent, connect):
+    c = connect(make_agent())
+    c.hello()
+    key = {"tag": "t", "version": "v1", "name": "x"}
+    assert c.request(dict(key, op="reserve", records=[["data.pkl", 16]]))["ok"]
+    reply = c.request(dict(key, op="pin"))  # it would wait for this very trainer's seal
+    assert reply["ok"] is False and reply["error"]["type"] == "NotFoundError", reply
+    assert c.request(dict(key, op="seal"))["ok"]
+    assert c.request({"op": "commit", "tag": "t", "version": "v1", "seq": 1})["ok"]
+    reply = c.request(dict(key, op="pin"))
+    assert reply["ok"] is True and reply["records"][0][0] == "data.pkl"
+
+
+def test_a_pin_waiting_for_a_seal_lets_other_threads_run():
+    code = """
+        import threading
+        from nebulite import _core
+        e = _core.Engine.open("", memory_bytes=8 << 20)
+        e.reserve("t", "v", "x", [("data.pkl", 16)])
+        pinned = []
+        reader = threading.Thread(target=lambda: pinned.append(e.pin("t", "v", "x")))
+        reader.start()
+        reader.join(0.5)  # the pin waits for the seal below, which needs the interpreter
+        e.seal("t", "v", "x", False)
+        reader.join(60)
+        print("pinned" if pinned else "not pinned")
+        pinned.clear()
+        e.close(10)
+    """
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "pinned"
 
 
 def test_a_second_hello_is_refused(make_agent, connect):

@@ -240,8 +240,18 @@ void RegisterEngine(nb::module_& m) {
              for (const auto& v : e.Versions()) out.append(VersionToDict(v));
              return out;
            })
-      .def("pin", [](Engine& e, const std::string& tag, const std::string& version,
-                     const std::string& name) { return ValueOrThrow(e.Pin(tag, version, name)); })
+      .def("pin",
+           [](Engine& e, const std::string& tag, const std::string& version,
+              const std::string& name) {
+             // Pin() waits for an object still being staged: other threads (the agent's
+             // connection that seals it) must run meanwhile.
+             Result<std::shared_ptr<ObjectLease>> r = Status::Internal("unset");
+             {
+               nb::gil_scoped_release release;
+               r = e.Pin(tag, version, name);
+             }
+             return ValueOrThrow(std::move(r));
+           })
       .def("take_errors",
            [](Engine& e) {
              std::vector<std::tuple<std::string, std::string>> out;

@@ -133,18 +133,20 @@ class Agent:
 
     def _pin_any_rank(self, engine: Any, tag: str, version: str, name: str) -> Any:
         """Any local rank may load any object of a version: DeepSpeed saves the model on
-        rank 0 and every rank loads it straight after commit()."""
-        try:
-            return engine.pin(tag, version, name)
-        except errors.NotFoundError:
-            with self.lock:
-                others = [e for e in self.engines.values() if e is not engine]
-            for other in others:
-                try:
-                    return other.pin(tag, version, name)
-                except errors.NotFoundError:
-                    continue
-            raise
+        rank 0 and every rank loads it straight after commit(). Only committed versions
+        are pinned (all that trainers load): an object still being staged would make the
+        pin wait for its writer, for ever if that is the trainer asking."""
+        with self.lock:
+            others = [e for e in self.engines.values() if e is not engine]
+        for e in (engine, *others):
+            if not any(v["tag"] == tag and v["version"] == version for v in e.versions()):
+                continue
+            try:
+                return e.pin(tag, version, name)
+            except errors.NotFoundError:
+                continue
+        raise errors.NotFoundError(
+            f"{name!r} of version {version!r} of {tag!r} is not in memory, or not committed")
 
     # -- runs ------------------------------------------------------------------
 
