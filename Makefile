@@ -1,8 +1,13 @@
 # The README's commands. Each installs what it needs first (scripts/setup.sh).
 PY := .venv/bin/python
 JOBS ?= 2
+CMAKE := .venv/bin/cmake
+NINJA := $(CURDIR)/.venv/bin/ninja
+# Sanitized builds: optimised a little (the tests run much faster), assertions on.
+SANITIZED := -G Ninja -DNEBULITE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-g -O1" \
+  -DCMAKE_MAKE_PROGRAM=$(NINJA)
 
-.PHONY: setup demo test test-cpp test-py bench format clean
+.PHONY: setup demo test test-cpp test-py test-asan test-tsan bench format clean
 
 setup:
 	bash scripts/setup.sh
@@ -10,7 +15,7 @@ setup:
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup test-cpp test-py
+test: setup test-cpp test-py test-asan test-tsan
 
 test-cpp:
 	.venv/bin/cmake -S . -B build/tests -G Ninja -DNEBULITE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -20,6 +25,20 @@ test-cpp:
 
 test-py:
 	$(PY) -m pytest -q tests
+
+# Every C++ test under AddressSanitizer and UndefinedBehaviorSanitizer.
+test-asan:
+	$(CMAKE) -S . -B build/asan $(SANITIZED) -DNEBULITE_SANITIZE=address >/dev/null
+	$(NINJA) -C build/asan -j $(JOBS) nebulite_tests
+	ASAN_OPTIONS=detect_leaks=1:check_initialization_order=1:strict_init_order=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1 ./build/asan/nebulite_tests --gtest_brief=1
+
+# The tests of the code that runs on several threads under ThreadSanitizer.
+test-tsan:
+	$(CMAKE) -S . -B build/tsan $(SANITIZED) -DNEBULITE_SANITIZE=thread >/dev/null
+	$(NINJA) -C build/tsan -j $(JOBS) nebulite_concurrency_tests
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+	  ./build/tsan/nebulite_concurrency_tests --gtest_brief=1
 
 bench: setup
 	$(PY) benchmarks/bench_suite.py $(BENCH_ARGS)
