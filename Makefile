@@ -1,13 +1,14 @@
 # The README's commands. Each installs what it needs first (scripts/setup.sh).
 PY := .venv/bin/python
 JOBS ?= 2
+FUZZ_SECONDS ?= 60
 CMAKE := .venv/bin/cmake
 NINJA := $(CURDIR)/.venv/bin/ninja
 # Sanitized builds: optimised a little (the tests run much faster), assertions on.
 SANITIZED := -G Ninja -DNEBULITE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-g -O1" \
   -DCMAKE_MAKE_PROGRAM=$(NINJA)
 
-.PHONY: setup demo test test-cpp test-py test-asan test-tsan bench format clean
+.PHONY: setup demo test test-cpp test-py test-asan test-tsan fuzz fuzz-build bench format clean
 
 setup:
 	bash scripts/setup.sh
@@ -15,7 +16,8 @@ setup:
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup test-cpp test-py test-asan test-tsan
+# Every test, then every fuzz target for FUZZ_SECONDS seconds.
+test: setup test-cpp test-py test-asan test-tsan fuzz
 
 test-cpp:
 	.venv/bin/cmake -S . -B build/tests -G Ninja -DNEBULITE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -39,6 +41,15 @@ test-tsan:
 	$(NINJA) -C build/tsan -j $(JOBS) nebulite_concurrency_tests
 	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
 	  ./build/tsan/nebulite_concurrency_tests --gtest_brief=1
+
+# make fuzz FUZZ_SECONDS=3600 for a long run; findings are kept in build/fuzz/crashes/.
+fuzz: setup fuzz-build
+	FUZZ_SECONDS=$(FUZZ_SECONDS) bash scripts/fuzz.sh
+
+fuzz-build:
+	$(CMAKE) -S . -B build/fuzz -G Ninja -DNEBULITE_BUILD_FUZZERS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_MAKE_PROGRAM=$(NINJA) >/dev/null
+	$(NINJA) -C build/fuzz -j $(JOBS)
 
 bench: setup
 	$(PY) benchmarks/bench_suite.py $(BENCH_ARGS)
