@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from nebulite import errors
 from nebulite.agent import client, protocol, server
 
 
@@ -77,10 +78,11 @@ def make_agent(tmp_path):
     """Builds in-process agents (memory only unless given a store); closes them after."""
     made: list[tuple[server.Agent, Path]] = []
 
-    def make(root: str = "", agent_class: type = server.Agent) -> server.Agent:
+    def make(root: str = "", agent_class: type = server.Agent,
+             commit_timeout: float = 30.0) -> server.Agent:
         rt = Path(tempfile.mkdtemp(prefix="nbap-"))  # short: Unix socket paths are limited
         agent = agent_class(str(rt / "agent.sock"), root, 16 << 20, retention=2,
-                            commit_timeout=30.0, io_threads=1, idle_exit=0)
+                            commit_timeout=commit_timeout, io_threads=1, idle_exit=0)
         made.append((agent, rt))
         return agent
 
@@ -104,12 +106,13 @@ def connect():
         c.close()
 
 
-def _save(c: _Served, tag: str, seq: int) -> None:
+def _save(c: _Served, tag: str, seq: int, persist: bool = False) -> None:
     """A checkpoint of one small object, committed (its bytes are zeros)."""
     key = {"tag": tag, "version": "v1", "name": "x"}
     assert c.request(dict(key, op="reserve", records=[["data.pkl", 16]]))["ok"]
     assert c.request(dict(key, op="seal"))["ok"]
-    assert c.request({"op": "commit", "tag": tag, "version": "v1", "seq": seq})["ok"]
+    assert c.request({"op": "commit", "tag": tag, "version": "v1", "seq": seq,
+                      "persist": persist})["ok"]
 
 
 @pytest.mark.parametrize("raw, answer", [
@@ -300,3 +303,19 @@ def test_a_second_hello_is_refused(make_agent, connect):
     c.close()  # what it reserved and never sealed is discarded, in the engine it was in
     _wait_for_cleanups(agent)
     assert agent.arena.used == 0
+
+
+def test_closing_the_agent_closes_every_engine_whatever_failed(make_agent, connect, tmp_path):
+    agent = make_agent(root=str(tmp_path / "store"), commit_timeout=0.5)
+    waiting = connect(agent)  # rank 0 of 2: rank 1 never comes, persisting fails
+    assert waiting.request({"op": "hello", "version": protocol.VERSION, "rank": 0,
+                            "world_size": 2})["ok"]
+    _save(waiting, "never", 1, persist=True)
+    alone = connect(agent)
+    alone.hello()
+    _save(alone, "fine", 1, persist=True)
+    agent.close()  # logs the failure, and closes the other engine too
+    assert len(agent.engines) == 2
+    for engine in agent.engines.values():
+        with pytest.raises(errors.FailedPreconditionError, match="closed"):
+            engine.reserve("t", "v", "x", [("data.pkl", 16)])

@@ -118,8 +118,8 @@ class Agent:
             self.close()
 
     def close(self) -> None:
-        """Stops listening and closes the engines, once they persisted what they hold
-        (up to the commit timeout)."""
+        """Stops listening and closes every engine, once it persisted what it holds (up
+        to the commit timeout); what failed is logged (trainers were told already)."""
         self.listener.close()
         try:  # unless a successor already bound the path anew
             if os.stat(self.socket_path).st_ino == self.socket_inode:
@@ -129,7 +129,10 @@ class Agent:
         with self.lock:
             engines = list(self.engines.values())
         for e in engines:
-            e.close(self.commit_timeout)
+            try:
+                e.close(self.commit_timeout)
+            except errors.NebuliteError as ex:
+                log.warning("closing an engine: %s", ex)
 
     def _pin_any_rank(self, engine: Any, tag: str, version: str, name: str) -> Any:
         """Any local rank may load any object of a version: DeepSpeed saves the model on
