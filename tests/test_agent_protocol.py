@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from nebulite import errors
+from nebulite import _core, errors
 from nebulite.agent import client, protocol, server
 
 
@@ -319,3 +319,14 @@ def test_closing_the_agent_closes_every_engine_whatever_failed(make_agent, conne
     for engine in agent.engines.values():
         with pytest.raises(errors.FailedPreconditionError, match="closed"):
             engine.reserve("t", "v", "x", [("data.pkl", 16)])
+
+
+def test_engine_waits_refuse_nan_and_cap_what_never_ends(tmp_path):
+    e = _core.Engine.open(str(tmp_path / "store"), memory_bytes=8 << 20)
+    with pytest.raises(errors.InvalidArgumentError, match="NaN"):
+        e.flush(float("nan"))
+    e.flush(float("inf"))  # nothing to wait for: returns at once
+    e.flush(1e300)
+    with pytest.raises(errors.InvalidArgumentError, match="NaN"):
+        _core.Engine.open("", memory_bytes=8 << 20, reserve_timeout=float("nan"))
+    e.close(float("inf"))
