@@ -2,8 +2,15 @@
 PY := .venv/bin/python
 JOBS ?= 2
 RELIABILITY_KILLS ?= 1000
+FUZZ_SECONDS ?= 60
+CMAKE := .venv/bin/cmake
+NINJA := $(CURDIR)/.venv/bin/ninja
+# Sanitized builds: optimised a little (the tests run much faster), assertions on.
+SANITIZED := -G Ninja -DNEBULITE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-g -O1" \
+  -DCMAKE_MAKE_PROGRAM=$(NINJA)
 
-.PHONY: setup demo test test-cpp-build test-cpp test-py bench reliability format clean
+.PHONY: setup demo test test-cpp-build test-cpp test-py test-asan test-tsan fuzz fuzz-build bench \
+  reliability format clean
 
 setup:
 	bash scripts/setup.sh
@@ -11,7 +18,8 @@ setup:
 demo: setup
 	$(PY) examples/demo.py
 
-test: setup test-cpp test-py
+# Every test, then every fuzz target for FUZZ_SECONDS seconds.
+test: setup test-cpp test-py test-asan test-tsan fuzz
 
 test-cpp-build:
 	.venv/bin/cmake -S . -B build/tests -G Ninja -DNEBULITE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
@@ -23,6 +31,29 @@ test-cpp: test-cpp-build
 
 test-py:
 	$(PY) -m pytest -q tests
+
+# Every C++ test under AddressSanitizer and UndefinedBehaviorSanitizer.
+test-asan:
+	$(CMAKE) -S . -B build/asan $(SANITIZED) -DNEBULITE_SANITIZE=address >/dev/null
+	$(NINJA) -C build/asan -j $(JOBS) nebulite_tests
+	ASAN_OPTIONS=detect_leaks=1:check_initialization_order=1:strict_init_order=1 \
+	  UBSAN_OPTIONS=print_stacktrace=1 ./build/asan/nebulite_tests --gtest_brief=1
+
+# The tests of the code that runs on several threads under ThreadSanitizer.
+test-tsan:
+	$(CMAKE) -S . -B build/tsan $(SANITIZED) -DNEBULITE_SANITIZE=thread >/dev/null
+	$(NINJA) -C build/tsan -j $(JOBS) nebulite_concurrency_tests
+	TSAN_OPTIONS=halt_on_error=1:second_deadlock_stack=1 \
+	  ./build/tsan/nebulite_concurrency_tests --gtest_brief=1
+
+# make fuzz FUZZ_SECONDS=3600 for a long run; findings are kept in build/fuzz/crashes/.
+fuzz: setup fuzz-build
+	FUZZ_SECONDS=$(FUZZ_SECONDS) bash scripts/fuzz.sh
+
+fuzz-build:
+	$(CMAKE) -S . -B build/fuzz -G Ninja -DNEBULITE_BUILD_FUZZERS=ON -DCMAKE_BUILD_TYPE=RelWithDebInfo \
+	  -DCMAKE_CXX_COMPILER=clang++ -DCMAKE_MAKE_PROGRAM=$(NINJA) >/dev/null
+	$(NINJA) -C build/fuzz -j $(JOBS)
 
 bench: setup
 	$(PY) benchmarks/bench_suite.py $(BENCH_ARGS)

@@ -1,11 +1,9 @@
-// libFuzzer target for ArchiveIndex::Parse, the loader's attack surface.
+// libFuzzer target for ArchiveIndex::Parse, the loader's attack surface: whatever
+// parses must satisfy the invariants Parse promises (records inside the file, found by
+// name).
 //
-// Build and run (clang):
-//   clang++ -std=c++20 -g -O1 -fsanitize=fuzzer,address,undefined -Icpp/include -Icpp/src \
-//     fuzz/archive_index_fuzz.cc cpp/src/base/status.cc cpp/src/base/crc32.cc \
-//     cpp/src/format/archive_layout.cc cpp/src/format/archive_index.cc -lz \
-//     -o build/archive_index_fuzz
-//   build/archive_index_fuzz -max_len=262144 corpus/   # seed corpus: any .pt files
+// Built by CMake with -DNEBULITE_BUILD_FUZZERS=ON and run by `make fuzz` (see
+// fuzz/README.md); the seed corpus is fuzz/corpus/archive_index_fuzz.
 //
 // Without clang, -DNEBULITE_FUZZ_STANDALONE builds a main() (g++ works) that runs the
 // target once on each file named on the command line, e.g. to replay a crash.

@@ -9,6 +9,10 @@ command -v g++ >/dev/null || need+=(g++)
 command -v make >/dev/null || need+=(make)
 [ -f /usr/include/zlib.h ] || need+=(zlib1g-dev)
 [ -d /usr/src/googletest ] || [ -f /usr/include/gtest/gtest.h ] || need+=(libgtest-dev)
+# The fuzz targets: clang with libFuzzer (make fuzz).
+command -v clang++ >/dev/null || need+=(clang)
+compgen -G '/usr/lib/llvm-*/lib/clang/*/lib/linux/libclang_rt.fuzzer-x86_64.a' >/dev/null ||
+  need+=(libclang-rt-14-dev)
 if [ ${#need[@]} -gt 0 ]; then
   echo "setup: installing Debian packages: ${need[*]}"
   SUDO=""
@@ -27,7 +31,7 @@ stamp=.venv/.deps-$(sha1sum scripts/setup.sh constraints.txt | sha1sum | cut -c1
 if [ ! -f "$stamp" ]; then
   echo "setup: installing Python packages"
   "${PIP[@]}" torch==2.13.0 numpy pytest hypothesis psutil transformers \
-    "lightning==2.6.*" matplotlib "nanobind>=2.0" "scikit-build-core>=0.10" cmake ninja
+    "lightning==2.6.*" matplotlib "nanobind>=2.0" "scikit-build-core>=0.10" cmake ninja atheris
   # DeepSpeed builds against the torch above; its CUDA ops are not built (they are
   # compiled just in time where a GPU needs them).
   DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation deepspeed

@@ -7,6 +7,8 @@
 #include <nanobind/stl/vector.h>
 #include <unistd.h>
 
+#include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <mutex>
 
@@ -34,6 +36,13 @@ CopyEngine& LoadCopier() {
     owner = getpid();
   }
   return *engine;
+}
+
+// A wait in seconds as the engine takes it: the engine turns it into a clock duration,
+// which a NaN, or more than about 292 years, overflows; a longer wait never ends anyway.
+double WaitSeconds(double seconds, const char* what) {
+  if (std::isnan(seconds)) ThrowIfError(Status::InvalidArgument(std::string(what) + " is NaN"));
+  return std::min(seconds, 1e9);
 }
 
 const RecordRef& FindRef(const ObjectLease& lease, const std::string& name) {
@@ -160,8 +169,8 @@ void RegisterEngine(nb::module_& m) {
             o.io_threads = io_threads;
             o.direct_io = direct_io;
             o.retention = retention;
-            o.commit_timeout_seconds = commit_timeout;
-            o.reserve_timeout_seconds = reserve_timeout;
+            o.commit_timeout_seconds = WaitSeconds(commit_timeout, "commit_timeout");
+            o.reserve_timeout_seconds = WaitSeconds(reserve_timeout, "reserve_timeout");
             o.write_history = write_history;
             o.arena = std::move(arena);
             Result<std::unique_ptr<Engine>> e = Status::Internal("unset");
@@ -256,6 +265,7 @@ void RegisterEngine(nb::module_& m) {
                          const std::string& version) { ThrowIfError(e.Persist(tag, version)); })
       .def("flush",
            [](Engine& e, double timeout) {
+             timeout = WaitSeconds(timeout, "timeout");
              Status st;
              {
                nb::gil_scoped_release release;
@@ -277,7 +287,7 @@ void RegisterEngine(nb::module_& m) {
       .def("pin",
            [](Engine& e, const std::string& tag, const std::string& version,
               const std::string& name) {
-             // Pinning may wait for a deferred copy: never with the GIL held.
+             // Pin() waits for a deferred copy still landing: other threads must run meanwhile.
              Result<std::shared_ptr<ObjectLease>> r = Status::Internal("unset");
              {
                nb::gil_scoped_release release;
@@ -319,6 +329,7 @@ void RegisterEngine(nb::module_& m) {
              e.WaitPrefaulted();
            })
       .def("close", [](Engine& e, double timeout) {
+        timeout = WaitSeconds(timeout, "timeout");
         Status st;
         {
           nb::gil_scoped_release release;

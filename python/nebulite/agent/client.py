@@ -19,6 +19,7 @@ import subprocess
 import sys
 import threading
 import time
+import warnings
 from typing import Any
 
 from .. import _core, errors
@@ -341,7 +342,11 @@ class AgentEngine:
         return [tuple(e) for e in self._call("take_errors")["errors"]]
 
     def history(self) -> list[dict[str, Any]]:
-        return list(self._call("history")["rows"])
+        r = self._call("history")
+        if r.get("omitted"):  # the reply is bounded; the oldest rows did not fit
+            warnings.warn(f"nebulite: history() holds the newest {len(r['rows'])} rows; "
+                          f"{r['omitted']} older ones were left out", stacklevel=3)
+        return list(r["rows"])
 
     @property
     def memory_used(self) -> int:

@@ -3,8 +3,10 @@
 Every message is a 4-byte little-endian length followed by that many bytes of UTF-8
 JSON (an object). Requests carry ``op``; replies carry ``ok`` and either the result
 fields or ``error: {type, message}``. The reply to ``hello`` also carries the arena's
-file descriptor (SCM_RIGHTS). Messages over MAX_MESSAGE bytes, or that are not JSON
-objects, are protocol errors: the agent answers with an error and keeps serving.
+file descriptor (SCM_RIGHTS). Messages that are not JSON objects (or nest deeper than
+the JSON decoder can follow) are protocol errors: the agent answers with an error and
+keeps serving. A length over MAX_MESSAGE is answered with an error too, and ends the
+connection: the stream cannot be resynchronised. No reply exceeds MAX_MESSAGE either.
 """
 
 from __future__ import annotations
@@ -23,6 +25,11 @@ class ProtocolError(Exception):
     """A malformed or out-of-range message."""
 
 
+class MessageTooLarge(ProtocolError):
+    """A message over MAX_MESSAGE bytes. Raised before anything is sent; received, it
+    leaves the rest of the stream unreadable."""
+
+
 def _recv_exact(sock: socket.socket, n: int) -> bytes:
     buf = bytearray()
     while len(buf) < n:
@@ -33,11 +40,16 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return bytes(buf)
 
 
-def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+def encode(message: dict[str, Any]) -> bytes:
+    """The bytes of `message` on the wire; ProtocolError if it exceeds MAX_MESSAGE."""
     body = json.dumps(message).encode()
     if len(body) > MAX_MESSAGE:
-        raise ProtocolError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
-    data = _LEN.pack(len(body)) + body
+        raise MessageTooLarge(f"message of {len(body)} bytes exceeds {MAX_MESSAGE}")
+    return _LEN.pack(len(body)) + body
+
+
+def send(sock: socket.socket, message: dict[str, Any], fds: list[int] | None = None) -> None:
+    data = encode(message)
     if fds:
         sent = socket.send_fds(sock, [data], fds)
         if sent < len(data):
@@ -58,12 +70,14 @@ def recv(sock: socket.socket, with_fds: bool = False) -> tuple[dict[str, Any], l
         head = _recv_exact(sock, _LEN.size)
     (n,) = _LEN.unpack(head)
     if n > MAX_MESSAGE:
-        raise ProtocolError(f"message of {n} bytes exceeds {MAX_MESSAGE}")
+        raise MessageTooLarge(f"message of {n} bytes exceeds {MAX_MESSAGE}")
     body = _recv_exact(sock, n)
     try:
         message = json.loads(body)
     except ValueError as e:
         raise ProtocolError(f"message is not JSON: {e}") from None
+    except RecursionError:  # the decoder recurses once per level of [ or {
+        raise ProtocolError("message nests too deeply") from None
     if not isinstance(message, dict):
         raise ProtocolError("message is not a JSON object")
     return message, fds

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import fcntl
+import json
 import logging
 import os
 import re
@@ -49,11 +50,12 @@ class _Connection:
 class Agent:
     def __init__(self, socket_path: str, root: str, memory: int, retention: int,
                  commit_timeout: float, io_threads: int, idle_exit: float,
-                 prefault: bool = False) -> None:
+                 prefault: bool = False, reserve_timeout: float = 600.0) -> None:
         self.socket_path = socket_path
         self.root = root
         self.retention = retention
         self.commit_timeout = commit_timeout
+        self.reserve_timeout = reserve_timeout  # how long a save waits for memory
         self.io_threads = io_threads
         self.idle_exit = idle_exit
         # Memory is taken as saves need it (and reused), unless asked to pre-fault it all.
@@ -84,7 +86,7 @@ class Agent:
                 self.engines[key] = _core.Engine.open(
                     self.root, rank=rank, world_size=world_size, arena=self.arena,
                     io_threads=self.io_threads, retention=self.retention,
-                    commit_timeout=self.commit_timeout)
+                    commit_timeout=self.commit_timeout, reserve_timeout=self.reserve_timeout)
             return self.engines[key]
 
     def _idle(self) -> bool:
@@ -112,29 +114,41 @@ class Agent:
                     self.clients += 1  # counted before idleness is judged again
                 threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
         finally:
-            self.listener.close()
-            try:  # unless a successor already bound the path anew
-                if os.stat(self.socket_path).st_ino == self.socket_inode:
-                    os.unlink(self.socket_path)
-            except OSError:
-                pass
-            for e in self.engines.values():
+            self.close()
+
+    def close(self) -> None:
+        """Stops listening and closes every engine, once it persisted what it holds (up
+        to the commit timeout); what failed is logged (trainers were told already)."""
+        self.listener.close()
+        try:  # unless a successor already bound the path anew
+            if os.stat(self.socket_path).st_ino == self.socket_inode:
+                os.unlink(self.socket_path)
+        except OSError:
+            pass
+        with self.lock:
+            engines = list(self.engines.values())
+        for e in engines:
+            try:
                 e.close(self.commit_timeout)
+            except errors.NebuliteError as ex:
+                log.warning("closing an engine: %s", ex)
 
     def _pin_any_rank(self, engine: Any, tag: str, version: str, name: str) -> Any:
         """Any local rank may load any object of a version: DeepSpeed saves the model on
-        rank 0 and every rank loads it straight after commit()."""
-        try:
-            return engine.pin(tag, version, name)
-        except errors.NotFoundError:
-            with self.lock:
-                others = [e for e in self.engines.values() if e is not engine]
-            for other in others:
-                try:
-                    return other.pin(tag, version, name)
-                except errors.NotFoundError:
-                    continue
-            raise
+        rank 0 and every rank loads it straight after commit(). Only committed versions
+        are pinned (all that trainers load): an object still being staged would make the
+        pin wait for its writer, for ever if that is the trainer asking."""
+        with self.lock:
+            others = [e for e in self.engines.values() if e is not engine]
+        for e in (engine, *others):
+            if not any(v["tag"] == tag and v["version"] == version for v in e.versions()):
+                continue
+            try:
+                return e.pin(tag, version, name)
+            except errors.NotFoundError:
+                continue
+        raise errors.NotFoundError(
+            f"{name!r} of version {version!r} of {tag!r} is not in memory, or not committed")
 
     # -- runs ------------------------------------------------------------------
 
@@ -175,7 +189,7 @@ class Agent:
         """Keeps a departed trainer's run alive until what it committed is in the store
         (the engine removes what it wrote of versions it never committed)."""
         try:
-            if self.root:
+            if self.root and c.engine is not None:  # what it committed must reach the store first
                 deadline = time.monotonic() + self.commit_timeout
                 while time.monotonic() < deadline:
                     try:
@@ -199,20 +213,28 @@ class Agent:
             log.warning("refusing a connection from uid %d", uid)
             self._detach(c)
             return
+        # Every request gets a reply and the connection goes on, whatever the request:
+        # ending it would abandon the trainer's uncommitted checkpoints. It ends when the
+        # trainer says bye or goes away, or after a length over the limit, which leaves
+        # the rest of the stream unreadable.
         try:
             while True:
                 try:
                     request, _ = protocol.recv(sock)
                 except protocol.ProtocolError as e:
                     protocol.send(sock, _error(e))
-                    if "exceeds" in str(e):
-                        return  # the stream cannot be resynchronised
+                    if isinstance(e, protocol.MessageTooLarge):
+                        return
                     continue
                 if request.get("op") == "bye":
                     return
                 reply, fds = self._dispatch(c, request)
-                protocol.send(sock, reply, fds)
-        except (ConnectionError, OSError):
+                try:
+                    protocol.send(sock, reply, fds)
+                except protocol.MessageTooLarge as e:  # raised before anything was sent
+                    protocol.send(sock, _error(errors.NebuliteError(
+                        f"the reply to {request.get('op')!r} is too large: {e}")))
+        except OSError:  # the trainer went away (ConnectionError included)
             pass
         finally:
             self._detach(c)
@@ -242,6 +264,8 @@ class Agent:
         op = r.get("op")
         try:
             if op == "hello":
+                if c.engine is not None:  # what it staged belongs to the engine it has
+                    raise errors.FailedPreconditionError("this connection already said hello")
                 if r.get("version") != protocol.VERSION:
                     raise errors.UnsupportedVersionError(f"protocol version {r.get('version')!r}")
                 rank, world = _int(r, "rank"), _int(r, "world_size")
@@ -263,7 +287,7 @@ class Agent:
             e = c.engine
             if op == "reserve":
                 key = (_str(r, "tag"), _str(r, "version"), _str(r, "name"))
-                specs = [(str(n), int(s)) for n, s in r.get("records", [])]
+                specs = _records(r)
                 offset, nbytes, records = e.reserve(*key, specs)
                 c.reserved.add(key)
                 c.staged.add(key[:2])
@@ -303,7 +327,7 @@ class Agent:
                 e.persist(_str(r, "tag"), _str(r, "version"))
                 return {"ok": True}, []
             if op == "flush":
-                e.flush(float(r.get("timeout", 600)))
+                e.flush(_seconds(r, "timeout", 600.0))
                 return {"ok": True}, []
             if op == "abandon":
                 e.abandon(_str(r, "tag"), _str(r, "version"))
@@ -327,7 +351,8 @@ class Agent:
             if op == "take_errors":
                 return {"ok": True, "errors": e.take_errors()}, []
             if op == "history":
-                return {"ok": True, "rows": list(e.history())}, []
+                rows, omitted = _newest_that_fit(list(e.history()))
+                return {"ok": True, "rows": rows, "omitted": omitted}, []
             if op == "wait_prefaulted":
                 self.arena.wait_prefaulted()
                 return {"ok": True}, []
@@ -337,11 +362,28 @@ class Agent:
             raise errors.InvalidArgumentError(f"unknown op {op!r}")
         except (errors.NebuliteError, ValueError, TypeError, KeyError) as ex:
             return _error(ex), []
+        except Exception as ex:  # a bug of the agent: the trainer is told, and goes on
+            log.exception("request %.200r failed", op)
+            return _error(errors.NebuliteError(
+                f"the agent failed on {op!r}: {type(ex).__name__}: {ex}")), []
 
 
 def _error(ex: BaseException) -> dict[str, Any]:
     kind = type(ex).__name__ if isinstance(ex, errors.NebuliteError) else "InvalidArgumentError"
     return {"ok": False, "error": {"type": kind, "message": str(ex)}}
+
+
+def _newest_that_fit(rows: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], int]:
+    """The newest of `rows` whose reply stays within the protocol's limit (the engine
+    keeps every row for its whole life), and how many older ones were left out."""
+    budget = protocol.MAX_MESSAGE - 256  # the rest of the reply
+    kept = 0
+    for row in reversed(rows):
+        budget -= len(json.dumps(row).encode()) + 2  # ", " between rows
+        if budget < 0:
+            break
+        kept += 1
+    return rows[len(rows) - kept:], len(rows) - kept
 
 
 def _str(r: dict[str, Any], key: str) -> str:
@@ -352,10 +394,35 @@ def _str(r: dict[str, Any], key: str) -> str:
 
 
 def _int(r: dict[str, Any], key: str) -> int:
-    v = r.get(key)
+    return _count(r.get(key), key)
+
+
+def _count(v: Any, what: str) -> int:
     if not isinstance(v, int) or isinstance(v, bool) or v < 0 or v >= 1 << 63:
-        raise errors.InvalidArgumentError(f"{key} must be a non-negative integer")
+        raise errors.InvalidArgumentError(f"{what} must be a non-negative integer")
     return v
+
+
+_MAX_WAIT = 1e9  # seconds: a longer wait never ends anyway, and stays within the clock's range
+
+
+def _seconds(r: dict[str, Any], key: str, default: float) -> float:
+    v = r.get(key, default)
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not v >= 0:  # NaN too
+        raise errors.InvalidArgumentError(f"{key} must be a non-negative number of seconds")
+    return float(min(v, _MAX_WAIT))
+
+
+def _records(r: dict[str, Any]) -> list[tuple[str, int]]:
+    records = r.get("records", [])
+    if not isinstance(records, list):
+        raise errors.InvalidArgumentError("records must be a list of [name, size] pairs")
+    specs = []
+    for rec in records:
+        if not (isinstance(rec, list) and len(rec) == 2 and isinstance(rec[0], str)):
+            raise errors.InvalidArgumentError("records must be a list of [name, size] pairs")
+        specs.append((rec[0], _count(rec[1], "a record's size")))
+    return specs
 
 
 def main(argv: list[str] | None = None) -> int:
