@@ -66,7 +66,9 @@ void CommitCoordinator::Loop() {
     auto pending = pending_;
     busy_ = true;
     lock.unlock();
-    for (auto& [v, since] : pending) {
+    for (auto& entry : pending) {
+      const std::shared_ptr<VersionState>& v = entry.first;
+      const Clock::time_point since = entry.second;
       Status st;
       bool done = false;
       auto all =

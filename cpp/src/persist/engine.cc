@@ -114,6 +114,23 @@ class EngineImpl : public Engine {
     return obj;
   }
 
+  // Admits a staged or reserved object into its version, unless the version was abandoned
+  // or committed, or an object of that name was added, while it was being copied (the lock
+  // is not held meanwhile); then its memory goes back.
+  Status AdmitLocked(VersionState& v, ObjectState* obj) {
+    Status st;
+    if (v.abandoned || v.committed) {
+      st = Status::FailedPrecondition("checkpoint '" + v.tag +
+                                      "' was abandoned or committed while '" + obj->name +
+                                      "' was being saved");
+    } else if (v.Find(obj->name) != nullptr) {
+      st = Status::AlreadyExists("'" + obj->name + "' was already saved in checkpoint '" + v.tag +
+                                 "'");
+    }
+    if (!st.ok()) core_->versions.Release(obj);
+    return st;
+  }
+
   // Forgets a version that a failed Stage() created and left empty.
   void DropIfEmpty(const std::shared_ptr<VersionState>& v) {
     std::lock_guard<std::mutex> lock(core_->mu);
@@ -185,12 +202,7 @@ class EngineImpl : public Engine {
     obj->blocking_seconds = SecondsBetween(t0, Clock::now());
     StageInfo info{obj->bytes, obj->blocking_seconds, obj->streamed, !later.empty()};
     std::lock_guard<std::mutex> lock(core_->mu);
-    if (v->abandoned || v->committed) {  // abandoned or committed while this one was copied
-      core_->versions.Release(obj.get());
-      return Status::FailedPrecondition("checkpoint '" + v->tag +
-                                        "' was abandoned or committed while '" + obj->name +
-                                        "' was being saved");
-    }
+    NEBULITE_RETURN_IF_ERROR(AdmitLocked(*v, obj.get()));
     if (obj->streamed) v->must_persist = true;
     ObjectState* o = obj.get();
     v->objects.push_back(std::move(obj));
@@ -253,10 +265,7 @@ class EngineImpl : public Engine {
     obj->sealed = false;
     obj->awaiting_writer = true;
     std::lock_guard<std::mutex> lock(core_->mu);
-    if (v->abandoned || v->committed) {
-      core_->versions.Release(obj.get());
-      return Status::FailedPrecondition("checkpoint '" + tag + "' was abandoned or committed");
-    }
+    NEBULITE_RETURN_IF_ERROR(AdmitLocked(*v, obj.get()));
     ++v->pins;  // held until Seal() or Discard()
     v->objects.push_back(std::move(obj));
     return r;

@@ -73,8 +73,8 @@ def recv(sock: socket.socket, with_fds: bool = False) -> tuple[dict[str, Any], l
         raise MessageTooLarge(f"message of {n} bytes exceeds {MAX_MESSAGE}")
     body = _recv_exact(sock, n)
     try:
-        message = json.loads(body)
-    except ValueError as e:
+        message = json.loads(body.decode("utf-8"))  # UTF-8 only (json.loads(bytes) takes UTF-16/32)
+    except ValueError as e:  # UnicodeDecodeError included
         raise ProtocolError(f"message is not JSON: {e}") from None
     except RecursionError:  # the decoder recurses once per level of [ or {
         raise ProtocolError("message nests too deeply") from None
