@@ -149,7 +149,7 @@ class _Session:
         if self.root:
             # Commit order continues after everything visible.
             entries, _ = _core.read_catalog(self.root)
-            self.seq = max([self.seq, _core.newest_claimed_seq(self.root)] + [e["seq"] for e in entries])
+            self.seq = max([self.seq, _newest_claimed_seq(self.root)] + [e["seq"] for e in entries])
             # Ranks that do not talk to each other (no torch.distributed) must agree without
             # talking: only committed versions count for them (none of this run can commit
             # before every rank started), so give such a job a run id of its own.
@@ -226,6 +226,14 @@ class _Session:
         everyone = _dist.all_gather(errors)
         _raise_persist_errors([(c, f"rank {r}: {m}") for r, errs in enumerate(everyone)
                                for c, m in errs])  # type: ignore[union-attr]
+
+
+def _newest_claimed_seq(root: str) -> int:
+    """The newest commit number claimed in the store (0 when it cannot be read)."""
+    try:
+        return int(_core.newest_claimed_seq(root))
+    except NebuliteError:
+        return 0
 
 
 def _raise_persist_errors(errors: list[tuple[str, str]]) -> None:
@@ -450,7 +458,7 @@ class Checkpoint:
             # engine's and the store's (an agent of an earlier run may have committed since).
             s.seq = max([s.seq] + [int(x["seq"]) for x in s.engine.versions()])
             if s.root:
-                s.seq = max(s.seq, _core.newest_claimed_seq(s.root))
+                s.seq = max(s.seq, _newest_claimed_seq(s.root))
         mine = _core.parse_version_name(v.version)[1] if v is not None else 0
         if s.coordinated:
             # Rank 0's clock decides for everyone, rank 0 numbers the commit, and rank 0's

@@ -171,28 +171,49 @@ Result<bool> AllManifestsPresent(Storage* storage, const std::string& tag,
   return true;
 }
 
-Result<uint64_t> ClaimCommitSeq(Storage* storage, uint64_t at_least) {
-  NEBULITE_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->List(kSeqDir));
-  uint64_t newest = 0;
+namespace {
+
+// The highest claim in `names` (false if there is none).
+bool NewestClaim(const std::vector<std::string>& names, uint64_t* newest) {
   bool any = false;
   for (const std::string& n : names) {
     uint64_t v;
     if (ParseSeqName(n, &v)) {
-      newest = std::max(newest, v);
+      *newest = any ? std::max(*newest, v) : v;
       any = true;
     }
   }
-  if (!any) {  // a store written before claims existed, or whose claims were removed
+  return any;
+}
+
+}  // namespace
+
+// A claim is an exclusive create of .nebulite/seq/<n>. Claims older than the newest are
+// deleted, so a claimant whose listing was stale could create a number used before; but the
+// newest claim is never deleted and a deleted one is always below it, so such a claimant sees
+// a higher claim when it lists again after creating its own, and claims again above it.
+Result<uint64_t> ClaimCommitSeq(Storage* storage, uint64_t at_least) {
+  NEBULITE_ASSIGN_OR_RETURN(std::vector<std::string> names, storage->List(kSeqDir));
+  uint64_t newest = 0;
+  if (!NewestClaim(names, &newest)) {  // a store written before claims existed
     NEBULITE_ASSIGN_OR_RETURN(Catalog catalog, ReadCatalog(storage));
     for (const CatalogEntry& e : catalog.entries) newest = std::max(newest, e.commit.seq);
   }
   uint64_t seq = std::max(newest + 1, std::max<uint64_t>(at_least, 1));
-  for (int attempt = 0;; ++attempt, ++seq) {
+  for (int attempt = 0;; ++attempt) {
+    if (attempt == 1000) {
+      return Status::IOError("could not claim a commit number in " + std::to_string(attempt) +
+                             " attempts (too many writers at once?)");
+    }
     Status st = storage->CreateFileExclusive(JoinPath(kSeqDir, SeqName(seq)), "");
-    if (st.ok()) break;
-    if (st.code() != StatusCode::kAlreadyExists || attempt == 1000) {
+    if (!st.ok() && st.code() != StatusCode::kAlreadyExists) {
       return st.WithContext("claiming commit number " + std::to_string(seq));
     }
+    NEBULITE_ASSIGN_OR_RETURN(names, storage->List(kSeqDir));
+    uint64_t highest = 0;
+    NewestClaim(names, &highest);
+    if (st.ok() && highest <= seq) break;  // ours, and the newest
+    seq = std::max(seq, highest) + 1;
   }
   // Only the newest claim matters; older ones go (best effort: another writer may be
   // removing them too).
