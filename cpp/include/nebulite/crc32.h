@@ -10,6 +10,12 @@ namespace nebulite {
 // Extends `crc` (0 for a fresh checksum) over `n` bytes at `data`.
 uint32_t Crc32(uint32_t crc, const void* data, size_t n);
 
+// Copies n bytes from src to dst with non-temporal stores and extends `*crc` over them, in
+// one pass (each block is loaded once, stored and folded from the registers), where the CPU
+// folds CRCs 512 bits wide (AVX-512 with VPCLMULQDQ) and n >= 4096. Returns false, having
+// done nothing, elsewhere.
+bool Crc32CopyWide(void* dst, const void* src, size_t n, uint32_t* crc);
+
 // The portable implementation (zlib), for tests and benchmarks of the fast path.
 uint32_t Crc32Zlib(uint32_t crc, const void* data, size_t n);
 

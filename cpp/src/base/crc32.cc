@@ -13,6 +13,7 @@
 #endif
 
 #include <algorithm>
+#include <cstring>
 #include <thread>
 #include <vector>
 
@@ -158,6 +159,49 @@ __attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.1"))) uint32_t Cr
   return ClmulFinish(_mm512_extracti32x4_epi32(z3, 0), _mm512_extracti32x4_epi32(z3, 1),
                      _mm512_extracti32x4_epi32(z3, 2), _mm512_extracti32x4_epi32(z3, 3), buf, len);
 }
+
+// Copies `len` bytes (>= 256, a multiple of 256) from `src` to `dst` (64-byte aligned) with
+// non-temporal stores and folds them into the pre-inverted `crc` as Crc32Vpclmul does, in
+// the same pass: each 256 bytes are loaded once, stored, and folded from the registers.
+__attribute__((target("avx512f,avx512vl,vpclmulqdq,pclmul,sse4.1"))) uint32_t Crc32CopyVpclmul(
+    unsigned char* dst, const unsigned char* src, size_t len, uint32_t crc) {
+  const __m512i k256 = constants(0x011542778a, 0x01322d1430);  // D = 2048
+  __m512i z0 = _mm512_loadu_si512(src + 0x00);
+  __m512i z1 = _mm512_loadu_si512(src + 0x40);
+  __m512i z2 = _mm512_loadu_si512(src + 0x80);
+  __m512i z3 = _mm512_loadu_si512(src + 0xc0);
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 0x00), z0);
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 0x40), z1);
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 0x80), z2);
+  _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 0xc0), z3);
+  z0 = _mm512_xor_si512(z0, _mm512_zextsi128_si512(_mm_cvtsi32_si128(static_cast<int>(crc))));
+  src += 256;
+  dst += 256;
+  len -= 256;
+  while (len >= 256) {
+    const __m512i y0 = _mm512_loadu_si512(src + 0x00);
+    const __m512i y1 = _mm512_loadu_si512(src + 0x40);
+    const __m512i y2 = _mm512_loadu_si512(src + 0x80);
+    const __m512i y3 = _mm512_loadu_si512(src + 0xc0);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 0x00), y0);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 0x40), y1);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 0x80), y2);
+    _mm512_stream_si512(reinterpret_cast<__m512i*>(dst + 0xc0), y3);
+    z0 = _mm512_xor_si512(fold(z0, k256), y0);
+    z1 = _mm512_xor_si512(fold(z1, k256), y1);
+    z2 = _mm512_xor_si512(fold(z2, k256), y2);
+    z3 = _mm512_xor_si512(fold(z3, k256), y3);
+    src += 256;
+    dst += 256;
+    len -= 256;
+  }
+  _mm_sfence();  // the streaming stores are weakly ordered
+  z3 = _mm512_xor_si512(z3, fold(z0, constants(0x01821d8bc0, 0x012e958ac4)));  // D = 1536
+  z3 = _mm512_xor_si512(z3, fold(z1, constants(0x01e88ef372, 0x014a7fe880)));  // D = 1024
+  z3 = _mm512_xor_si512(z3, fold(z2, constants(0x0154442bd4, 0x01c6e41596)));  // D = 512
+  return ClmulFinish(_mm512_extracti32x4_epi32(z3, 0), _mm512_extracti32x4_epi32(z3, 1),
+                     _mm512_extracti32x4_epi32(z3, 2), _mm512_extracti32x4_epi32(z3, 3), src, 0);
+}
 #if defined(__GNUC__) && !defined(__clang__)
 #pragma GCC diagnostic pop
 #endif
@@ -190,6 +234,26 @@ uint32_t Crc32(uint32_t crc, const void* data, size_t n) {
   }
 #endif
   return static_cast<uint32_t>(crc32_z(crc, p, n));
+}
+
+bool Crc32CopyWide(void* dst, const void* src, size_t n, uint32_t* crc) {
+#ifdef NEBULITE_HAVE_CLMUL_KERNEL
+  if (n < 4096 || !HaveVpclmul()) return false;
+  auto* d = static_cast<unsigned char*>(dst);
+  const auto* s = static_cast<const unsigned char*>(src);
+  const size_t head = (64 - (reinterpret_cast<uintptr_t>(d) & 63)) & 63;
+  std::memcpy(d, s, head);
+  uint32_t c = Crc32(*crc, s, head);
+  const size_t bulk = (n - head) & ~size_t{255};
+  c = ~Crc32CopyVpclmul(d + head, s + head, bulk, ~c);
+  const size_t done = head + bulk;
+  std::memcpy(d + done, s + done, n - done);
+  *crc = Crc32(c, s + done, n - done);
+  return true;
+#else
+  (void)dst, (void)src, (void)n, (void)crc;
+  return false;
+#endif
 }
 
 uint32_t Crc32Zlib(uint32_t crc, const void* data, size_t n) {

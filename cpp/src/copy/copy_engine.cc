@@ -63,6 +63,7 @@ void StreamCopy(void* dst, const void* src, size_t n) {
 }
 
 uint32_t StreamCopyWithCrc(void* dst, const void* src, size_t n, uint32_t crc) {
+  if (n >= kStream && Crc32CopyWide(dst, src, n, &crc)) return crc;
   auto* d = static_cast<uint8_t*>(dst);
   const auto* s = static_cast<const uint8_t*>(src);
   const bool stream = n >= kStream;

@@ -7,6 +7,8 @@
 #include <thread>
 #include <vector>
 
+#include "nebulite/crc32.h"
+
 namespace nebulite {
 namespace {
 
@@ -91,6 +93,36 @@ TEST(CopyEngineTest, CopyWithAndWithoutBypassingCachesIsExact) {
     engine.Copy({{dst.data(), src.data(), src.size()}}, bypass);
     EXPECT_EQ(dst, src) << "bypass " << bypass;
   }
+}
+
+// The copy that checksums in the same pass (the staging copy): every byte lands and the CRC
+// equals zlib's, for every size around the kernels' bounds and every alignment.
+TEST(CopyEngineTest, CopyWithCrcIsExactAndMatchesZlib) {
+  auto src = Pattern((3 << 20) + 777, 7);
+  for (size_t shift : {0, 1, 17, 63}) {
+    for (size_t n : {size_t{0}, size_t{1}, size_t{255}, size_t{4095}, size_t{4096}, size_t{4097},
+                     size_t{(256 << 10) - 1}, size_t{256 << 10}, size_t{(256 << 10) + 300},
+                     (size_t{1} << 20) + 77, size_t{3} << 20}) {
+      std::vector<uint8_t> dst(n + 128, 0xAB);
+      const uint32_t crc = StreamCopyWithCrc(dst.data() + shift, src.data() + 5, n, 0x1234);
+      EXPECT_EQ(crc, Crc32Zlib(0x1234, src.data() + 5, n)) << "shift " << shift << " n " << n;
+      EXPECT_TRUE(std::equal(dst.begin() + shift, dst.begin() + shift + n, src.begin() + 5))
+          << "shift " << shift << " n " << n;
+      EXPECT_EQ(dst[shift + n], 0xAB);
+    }
+  }
+  CopyEngine engine(2);
+  std::vector<uint8_t> dst(src.size(), 0);
+  std::vector<CopySpan> spans = {{dst.data(), src.data(), 1000},
+                                 {dst.data() + 1000, src.data() + 1000, 0},
+                                 {dst.data() + 4096, src.data() + 4096, src.size() - 4096}};
+  std::vector<uint32_t> crcs;
+  engine.CopyWithCrc(spans, &crcs);
+  ASSERT_EQ(crcs.size(), 3u);
+  EXPECT_EQ(crcs[0], Crc32Zlib(0, src.data(), 1000));
+  EXPECT_EQ(crcs[1], 0u);
+  EXPECT_EQ(crcs[2], Crc32Zlib(0, src.data() + 4096, src.size() - 4096));
+  EXPECT_TRUE(std::equal(dst.begin() + 4096, dst.end(), src.begin() + 4096));
 }
 
 }  // namespace
