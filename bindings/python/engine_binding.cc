@@ -158,7 +158,7 @@ void RegisterEngine(nb::module_& m) {
           [](const std::string& persist_root, uint32_t rank, uint32_t world_size,
              uint64_t memory_bytes, bool prefault, int copy_threads, int io_threads, bool direct_io,
              uint32_t retention, double commit_timeout, double reserve_timeout, bool write_history,
-             std::shared_ptr<Arena> arena) {
+             std::shared_ptr<Arena> arena, uint32_t file_mode) {
             EngineOptions o;
             o.persist_root = persist_root;
             o.rank = rank;
@@ -168,6 +168,7 @@ void RegisterEngine(nb::module_& m) {
             o.copy_threads = copy_threads;
             o.io_threads = io_threads;
             o.direct_io = direct_io;
+            o.file_mode = file_mode;
             o.retention = retention;
             o.commit_timeout_seconds = WaitSeconds(commit_timeout, "commit_timeout");
             o.reserve_timeout_seconds = WaitSeconds(reserve_timeout, "reserve_timeout");
@@ -184,7 +185,7 @@ void RegisterEngine(nb::module_& m) {
           nb::arg("memory_bytes") = 0, nb::arg("prefault") = false, nb::arg("copy_threads") = 0,
           nb::arg("io_threads") = 0, nb::arg("direct_io") = true, nb::arg("retention") = 0,
           nb::arg("commit_timeout") = 600.0, nb::arg("reserve_timeout") = 600.0,
-          nb::arg("write_history") = true, nb::arg("arena") = nb::none())
+          nb::arg("write_history") = true, nb::arg("arena") = nb::none(), nb::arg("file_mode") = 0)
       .def(
           "stage",
           [](Engine& e, const std::string& tag, const std::string& version, const std::string& name,

@@ -12,6 +12,7 @@
 #include <cstdlib>
 #include <map>
 #include <mutex>
+#include <tuple>
 
 #include "nebulite/commit.h"
 #include "nebulite/copy_engine.h"
@@ -28,15 +29,29 @@ namespace nb = nanobind;
 namespace nebulite::python {
 namespace {
 
-// One open store per root and mode, for the life of the process. Call with the GIL held.
+// Modes of the files each root's writable store creates (set_file_mode). Call with the GIL held.
+std::map<std::string, uint32_t>& FileModes() {
+  static auto* modes = new std::map<std::string, uint32_t>();
+  return *modes;
+}
+
+// One open store per root, mode and file mode, for the life of the process. Call with the
+// GIL held.
 Storage* StoreFor(const std::string& root, bool writable = false) {
   static std::mutex mu;
-  static auto* stores = new std::map<std::pair<std::string, bool>, std::unique_ptr<Storage>>();
+  using Key = std::tuple<std::string, bool, uint32_t>;
+  static auto* stores = new std::map<Key, std::unique_ptr<Storage>>();
   std::lock_guard<std::mutex> lock(mu);
-  auto key = std::make_pair(root, writable);
+  auto mode = FileModes().find(root);
+  const uint32_t file_mode = writable && mode != FileModes().end() ? mode->second : 0;
+  Key key{root, writable, file_mode};
   auto it = stores->find(key);
   if (it != stores->end()) return it->second.get();
-  auto s = OpenPosixStorage(root, PosixOptions{/*direct_io=*/false, /*read_only=*/!writable});
+  PosixOptions options;
+  options.direct_io = false;
+  options.read_only = !writable;
+  options.file_mode = file_mode;
+  auto s = OpenPosixStorage(root, options);
   ThrowIfError(s.status());
   Storage* p = s->get();
   (*stores)[key] = std::move(s).value();
@@ -169,6 +184,14 @@ void RegisterStorage(nb::module_& m) {
       nb::arg("records"), nb::arg("window") = 64ull << 20);
 
   m.def("validate_tag", [](const std::string& tag) { ThrowIfError(ValidateTag(tag)); });
+  m.def(
+      "set_file_mode",
+      [](const std::string& root, uint32_t mode) {
+        // What this process creates in `root` from now on gets `mode` (PosixOptions::file_mode).
+        ThrowIfError(ValidateFileMode(mode));
+        FileModes()[root] = mode;
+      },
+      nb::arg("root"), nb::arg("mode"));
   m.def(
       "retire_version",
       [](const std::string& root, const std::string& tag, const std::string& version) {

@@ -2,25 +2,133 @@
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import InvalidArgumentError
+import numpy as np
+
+from .errors import InvalidArgumentError, InvalidArgumentTypeError
 
 #: Versions kept when num_of_version_in_retention is not given (Nebula's default).
 DEFAULT_RETENTION = 2
 
 
-def _parse_number(name: str, value: Any, kind: type) -> Any:
-    try:
-        out = kind(value)
-    except (TypeError, ValueError):
-        raise InvalidArgumentError(f"{name} must be a number, got {value!r}") from None
-    if out < 0:
-        raise InvalidArgumentError(f"{name} must not be negative, got {value!r}")
+_TRUE = ("1", "true", "yes")
+_FALSE = ("0", "false", "no")
+#: Thread counts above this are refused: each thread reserves its stack.
+MAX_THREADS = 1024
+
+
+def parse_bool(name: str, value: Any) -> bool:
+    """A switch from code, a config file or the environment: a bool, 0/1, or one of
+    0/1/true/false/yes/no in any case; anything else is refused (``"false"`` must not
+    turn a switch on)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    if isinstance(value, (int, np.integer)) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        text = value.strip().lower()
+        if text in _TRUE:
+            return True
+        if text in _FALSE:
+            return False
+    raise InvalidArgumentError(
+        f"{name} must be a boolean (true/false, yes/no or 1/0), got {value!r}")
+
+
+def parse_int(name: str, value: Any, low: int = 0, high: int | None = None) -> int:
+    """A whole number in [low, high]: an int, an integral float, or its decimal text.
+    1.5 is refused, not rounded; so is a bool, which is not a count."""
+    out: int | None = None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        out = int(value)
+    elif isinstance(value, (float, np.floating)) and math.isfinite(value) and float(value).is_integer():
+        out = int(value)
+    elif isinstance(value, str):
+        try:
+            out = int(value.strip())
+        except ValueError:
+            out = None
+    if out is None:
+        raise InvalidArgumentError(f"{name} must be a whole number, got {value!r}")
+    if out < low or (high is not None and out > high):
+        bounds = f"at least {low}" if high is None else f"between {low} and {high}"
+        raise InvalidArgumentError(f"{name} must be {bounds}, got {value!r}")
     return out
+
+
+def parse_seconds(name: str, value: Any, *, finite: bool = False) -> float:
+    """A duration in seconds, >= 0. ``inf`` (and anything too large to mean a deadline)
+    is no limit, unless `finite`; NaN is refused."""
+    try:
+        if isinstance(value, (bool, np.bool_)):
+            raise TypeError
+        out = float(value.strip() if isinstance(value, str) else value)
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"{name} must be a number of seconds, got {value!r}") from None
+    if math.isnan(out) or out < 0:
+        raise InvalidArgumentError(f"{name} must be a number of seconds >= 0, got {value!r}")
+    if out >= NO_LIMIT:
+        if finite:
+            raise InvalidArgumentError(f"{name} must be finite, got {value!r}")
+        out = math.inf
+    return out
+
+
+def parse_file_mode(name: str, value: Any) -> int:
+    """Permission bits such as 0o640; text is octal ("640", "0640", "0o640"). The owner
+    must keep read and write (nebulite rewrites and removes its own files)."""
+    mode: int | None = None
+    if isinstance(value, (int, np.integer)) and not isinstance(value, (bool, np.bool_)):
+        mode = int(value)
+    elif isinstance(value, str):
+        text = value.strip().lower()
+        text = text[2:] if text.startswith("0o") else text
+        try:
+            mode = int(text, 8)
+        except ValueError:
+            mode = None
+    if mode is None or not (mode == 0 or (0 <= mode <= 0o777 and mode & 0o600 == 0o600)):
+        raise InvalidArgumentError(
+            f"{name} must be a permission mode of at most 0o777 that lets the owner read and "
+            f"write (0o600, 0o640, 0o644, ...; 0 follows the umask), got {value!r}")
+    return mode
+
+
+#: Durations from this many seconds up (about 31 700 years) mean "no limit".
+NO_LIMIT = 1e12
+
+
+def parse_path(name: str, value: Any) -> str:
+    """A local or mounted path: str, bytes or os.PathLike; absolute on return."""
+    if isinstance(value, (tuple, list)) and len(value) == 1 and isinstance(value[0], (str, os.PathLike)):
+        # Azure's documented example passes ("/tmp/test",): a trailing comma makes a tuple.
+        value = value[0]
+    try:
+        path = os.fspath(value)
+    except TypeError:
+        raise InvalidArgumentTypeError(
+            f"{name} must be a path (str or os.PathLike), got {type(value).__name__}") from None
+    if isinstance(path, bytes):
+        path = os.fsdecode(path)
+    if not path or "\0" in path:
+        raise InvalidArgumentError(f"{name} is not a valid path: {path!r}")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise InvalidArgumentError(
+            f"{name} {path!r} is not valid UTF-8 (nebulite records paths as UTF-8)") from None
+    if "://" in path and not path.startswith("file://"):
+        raise InvalidArgumentError(
+            f"{name} {path!r}: object stores are not supported yet; use a local or "
+            "mounted path (or file://)")
+    if path.startswith("file://"):
+        path = path[len("file://"):]
+    return os.path.abspath(path)
 
 
 @dataclass
@@ -32,6 +140,8 @@ class Config:
     io_threads: int = 0
     copy_threads: int = 0
     direct_io: bool = True
+    # Permissions of persisted files (0: 0666 less the umask, as torch.save); see README.
+    file_mode: int = 0
     prefault: bool = False
     commit_timeout: float = 600.0
     # Uncommitted versions of a dead run are removed only once nothing in them changed for
@@ -54,69 +164,61 @@ class Config:
     ) -> "Config":
         env = os.environ
         c = cls()
+
+        def given(key: str, var: str | None = None) -> tuple[str, Any]:
+            """The value of option `key` and the name to blame for it: the argument if
+            given, else environment variable `var` if set, else (key, None)."""
+            value = more.pop(key, None)
+            if value is None and var is not None and env.get(var) is not None:
+                return var, env[var]
+            return key, value
+
         path = persistent_storage_path
-        if path is None:
-            path = env.get("NEBULA_PERSISTENT_STORAGE_PATH") or None
-        if isinstance(path, (tuple, list)) and len(path) == 1:
-            # Azure's documented example passes ("/tmp/test",): a trailing comma makes a tuple.
-            path = path[0]
+        what = "persistent_storage_path"
+        if path is None and env.get("NEBULA_PERSISTENT_STORAGE_PATH"):
+            what, path = "NEBULA_PERSISTENT_STORAGE_PATH", env["NEBULA_PERSISTENT_STORAGE_PATH"]
         if path is not None:
-            path = os.fspath(path)
-            if not path or "\0" in path:
-                raise InvalidArgumentError(f"persistent_storage_path is not a valid path: {path!r}")
-            if "://" in path and not path.startswith("file://"):
-                raise InvalidArgumentError(
-                    f"persistent_storage_path {path!r}: object stores are not supported by the "
-                    "embedded engine; use a local or mounted path"
-                )
-            if path.startswith("file://"):
-                path = path[len("file://"):]
-            c.persistent_storage_path = os.path.abspath(path)
-        interval = persistent_time_interval
-        if interval is None:
-            interval = env.get("NEBULA_PERSISTENT_TIME_INTERVAL")
-        c.persistent_time_interval = (
-            0.0 if interval is None else _parse_number("persistent_time_interval", interval, float)
-        )
+            c.persistent_storage_path = parse_path(what, path)
+        interval: Any = persistent_time_interval
+        what = "persistent_time_interval"
+        if interval is None and env.get("NEBULA_PERSISTENT_TIME_INTERVAL") is not None:
+            what, interval = "NEBULA_PERSISTENT_TIME_INTERVAL", env["NEBULA_PERSISTENT_TIME_INTERVAL"]
+        if interval is not None:
+            c.persistent_time_interval = parse_seconds(what, interval, finite=True)
         if num_of_version_in_retention is not None:
-            c.num_of_version_in_retention = _parse_number(
-                "num_of_version_in_retention", num_of_version_in_retention, int
-            )
-        buf = more.pop("memory_buffer_size", None)
-        if buf is None:
-            buf = env.get("NEBULA_MEMORY_BUFFER_SIZE")
+            c.num_of_version_in_retention = parse_int(
+                "num_of_version_in_retention", num_of_version_in_retention)
+        what, buf = given("memory_buffer_size", "NEBULA_MEMORY_BUFFER_SIZE")
         if buf is not None:
-            c.memory_buffer_size = _parse_number("NEBULA_MEMORY_BUFFER_SIZE", buf, int)
+            c.memory_buffer_size = parse_int(what, buf)
         for key in ("io_threads", "copy_threads"):
-            if key in more:
-                setattr(c, key, _parse_number(key, more.pop(key), int))
-        for key in ("direct_io", "prefault"):
-            if key in more:
-                setattr(c, key, bool(more.pop(key)))
-        agent = more.pop("agent", None)
-        if agent is None:
-            agent = env.get("NEBULITE_AGENT", "1").lower() not in ("0", "false", "no", "off")
-        c.agent = bool(agent)
-        idle = more.pop("agent_idle_exit", None)
-        if idle is None:
-            idle = env.get("NEBULITE_AGENT_IDLE_EXIT")
+            what, value = given(key)
+            if value is not None:
+                setattr(c, key, parse_int(what, value, 0, MAX_THREADS))
+        for key, var in (("direct_io", None), ("prefault", None), ("agent", "NEBULITE_AGENT"),
+                         ("async_staging", "NEBULITE_ASYNC_STAGING")):
+            what, value = given(key, var)
+            if value is not None:
+                setattr(c, key, parse_bool(what, value))
+        what, mode = given("file_mode", "NEBULITE_FILE_MODE")
+        if mode is not None:
+            c.file_mode = parse_file_mode(what, mode)
+        what, idle = given("agent_idle_exit", "NEBULITE_AGENT_IDLE_EXIT")
         if idle is not None:
-            c.agent_idle_exit = _parse_number("agent_idle_exit", idle, float)
-        flag = more.pop("async_staging", None)
-        if flag is None:
-            flag = env.get("NEBULITE_ASYNC_STAGING", "0").lower() in ("1", "true", "yes", "on")
-        c.async_staging = bool(flag)
-        if "commit_timeout" in more:
-            c.commit_timeout = _parse_number("commit_timeout", more.pop("commit_timeout"), float)
-        grace = more.pop("dead_run_grace", None)
-        if grace is None:
-            grace = env.get("NEBULITE_DEAD_RUN_GRACE")
-        c.dead_run_grace = (
-            max(3600.0, 2 * c.commit_timeout) if grace is None
-            else _parse_number("dead_run_grace", grace, float))
+            c.agent_idle_exit = parse_seconds(what, idle)
+        what, timeout = given("commit_timeout")
+        if timeout is not None:
+            c.commit_timeout = parse_seconds(what, timeout)
+        what, grace = given("dead_run_grace", "NEBULITE_DEAD_RUN_GRACE")
+        c.dead_run_grace = (max(3600.0, 2 * c.commit_timeout) if grace is None
+                            else parse_seconds(what, grace))
         for key in ("rank", "world_size"):
-            if key in more:
-                setattr(c, key, _parse_number(key, more.pop(key), int))
+            what, value = given(key)
+            if value is not None:
+                setattr(c, key, parse_int(what, value, 1 if key == "world_size" else 0))
+        if c.rank is not None and c.world_size is not None and c.rank >= c.world_size:
+            raise InvalidArgumentError(
+                f"rank must be below world_size ({c.world_size}), got {c.rank}")
         if more:
             warnings.warn(
                 f"nebulite.init: ignoring unknown options {sorted(more)}", stacklevel=3

@@ -127,8 +127,10 @@ class ArchiveSource:
         read_into: Callable[[str, int], None],
         description: str,
         buffers: dict[str, torch.Tensor] | None = None,
+        offsets: dict[str, int] | None = None,
     ) -> None:
         self._sizes = sizes
+        self._offsets = offsets or {}
         self._read = read
         self._read_into = read_into
         self._buffers = buffers or {}
@@ -144,6 +146,22 @@ class ArchiveSource:
 
     def get_all_records(self) -> list[str]:
         return list(self._sizes)
+
+    def get_record_offset(self, name: str) -> int:
+        """Where record `name`'s bytes start in its data file (torch records it on meta
+        tensors, ``map_location="meta"``); 0 for a record held apart from any file."""
+        if name not in self._sizes:
+            from .errors import CorruptCheckpointError
+
+            raise CorruptCheckpointError(f"{self.description}: missing record {name!r}")
+        return self._offsets.get(name, 0)
+
+    def get_record_header_offset(self, name: str) -> int:
+        return self.get_record_offset(name)  # no zip headers: a record starts where it starts
+
+    def get_record_offset_no_read(self, zip_offset: int, name: str, numel: int, alignment: int) -> int:
+        """torch derives offsets from the zip layout when it can; nebulite's index knows them."""
+        return self.get_record_offset(name)
 
     def get_storage_from_record(self, name: str, numel: int, dtype: Any) -> torch.Tensor:
         size = self._sizes.get(name)

@@ -22,12 +22,13 @@ from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from . import _core, _dist, _staging
-from ._config import Config
+from ._config import Config, parse_path, parse_seconds
 from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
 from .errors import (
     CorruptCheckpointError,
     FailedPreconditionError,
     InvalidArgumentError,
+    InvalidArgumentTypeError,
     NebuliteError,
     NotFoundError,
     NotInitializedError,
@@ -106,6 +107,8 @@ class _Session:
         # A single-rank session (say, the global rank 0 that saves everything for
         # Lightning's DDP) never talks to the other ranks, even with torch.distributed up.
         self.run_id = run_id or (_dist.agree_on_run_id() if self.world_size > 1 else _dist.new_run_id())
+        if config.persistent_storage_path:
+            _core.set_file_mode(config.persistent_storage_path, config.file_mode)
         if config.agent:
             from .agent import client
 
@@ -129,6 +132,7 @@ class _Session:
             direct_io=config.direct_io,
             retention=config.num_of_version_in_retention,
             commit_timeout=config.commit_timeout,
+            file_mode=config.file_mode,
         )
 
     def _finish_init(self) -> None:
@@ -308,7 +312,7 @@ def _reopen_with_path(persistent_storage_path: str | os.PathLike[str]) -> None:
     with _lock:
         config = _require_session().config
         _open(dataclasses.replace(
-            config, persistent_storage_path=os.path.abspath(os.fspath(persistent_storage_path))))
+            config, persistent_storage_path=parse_path("persistent_storage_path", persistent_storage_path)))
 
 
 def _shutdown() -> None:
@@ -344,7 +348,12 @@ os.register_at_fork(after_in_child=_forget_session_in_child)
 
 def _validate(value: Any, what: str) -> str:
     if not isinstance(value, str):
-        raise InvalidArgumentError(f"{what} must be a string, got {type(value).__name__}")
+        raise InvalidArgumentTypeError(f"{what} must be a string, got {type(value).__name__}")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise InvalidArgumentError(
+            f"{what} {value!r} is not valid UTF-8 (a lone surrogate at position {e.start})") from None
     if what == "tag":
         _core.validate_tag(value)  # a path component not starting with '.'
     else:
@@ -540,12 +549,13 @@ class Checkpoint:
 
 
 def _load_from_lease(lease: Any, c: dict[str, Any], name: str, map_location: Any, weights_only: bool) -> Any:
-    sizes = {n: size for n, _, size in lease.records()}
+    records = lease.records()
     source = ArchiveSource(
-        sizes,
+        {n: size for n, _, size in records},
         read=lambda n: lease.read(n),
         read_into=lambda n, addr: lease.copy_to(n, addr),
         description=f"checkpoint {c['tag']!r} ({c['version']}) object {name!r} in memory",
+        offsets={n: offset for n, offset, _ in records},
     )
     try:
         return load_archive(source, map_location, weights_only)
@@ -577,24 +587,32 @@ def _load_from_store(c: dict[str, Any], name: str, map_location: Any, weights_on
     # Read and verified already when the handle was found (see _verify): no second read.
     buffers = c.get("prefetched", {}).pop(name, None)
     try:
-        if buffers is not None:  # every record is there: the file is not read again
+        if buffers is not None and not _maps_to_meta(map_location):
+            # Every record is there: the file is not read again. (Meta tensors carry their
+            # record's offset in the file, which only the file's index gives.)
             source = ArchiveSource({n: int(b.numel()) for n, b in buffers.items()},
                                    read=_unreachable, read_into=_unreachable, description=path,
                                    buffers=buffers)
             return load_archive(source, map_location, weights_only)
         archive = _core.StoredArchive.open(root, rel)
-        sizes = {n: size for n, _, size, _ in archive.records()}
+        records = archive.records()
         source = ArchiveSource(
-            sizes,
+            {n: size for n, _, size, _ in records},
             read=lambda n: archive.read(n),
             read_into=lambda n, addr: archive.read_into(n, addr, 4),
             description=path,
+            offsets={n: offset for n, offset, _, _ in records},
         )
         return load_archive(source, map_location, weights_only)
     except CorruptCheckpointError as e:
         if path in str(e):
             raise
         raise type(e)(f"{path}: {e}") from None
+
+
+def _maps_to_meta(map_location: Any) -> bool:
+    return (isinstance(map_location, str) and map_location == "meta") or (
+        type(map_location).__name__ == "device" and getattr(map_location, "type", None) == "meta")
 
 
 def _unreachable(*args: Any) -> Any:  # pragma: no cover - a record outside the archive
@@ -714,12 +732,12 @@ def _find_committed(root: str, tag: str, version: str) -> dict[str, Any] | None:
 
 
 def _resolve_root(persist_path: str | os.PathLike[str] | None) -> str | None:
-    if persist_path:
-        return os.path.abspath(os.fspath(persist_path))
+    if persist_path is not None and persist_path != "":
+        return parse_path("persist_path", persist_path)
     if _session is not None and _session.root:
         return _session.root
     env = os.environ.get("NEBULA_PERSISTENT_STORAGE_PATH")
-    return os.path.abspath(env) if env else None
+    return parse_path("NEBULA_PERSISTENT_STORAGE_PATH", env) if env else None
 
 
 def _candidates(persist_path: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
@@ -815,6 +833,7 @@ def get_checkpoint(
         if version is not None:
             raise InvalidArgumentError("get_checkpoint: a version needs its tag")
         return get_latest_checkpoint(persist_path)
+    _validate(tag, "tag")
     with _lock:
         return _first_intact([e for e in _candidates(persist_path)
                               if e["tag"] == tag and version in (None, e["version"])])
@@ -878,7 +897,10 @@ def get_latest_checkpoint_path(name: str, persist_path: str | os.PathLike[str] |
 
 def flush_persistence(timeout: float | None = None) -> None:
     """Persists the newest committed checkpoint if it is only in memory, waits until
-    everything pending is committed in the store, and raises any background error."""
+    everything pending is committed in the store, and raises any background error.
+    ``timeout`` (seconds; default: the commit timeout) may be ``math.inf``: no limit."""
+    if timeout is not None:
+        timeout = parse_seconds("timeout", timeout)
     with _lock:
         s = _require_session()
         if not s.root:

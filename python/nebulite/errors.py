@@ -16,6 +16,11 @@ class InvalidArgumentError(NebuliteError, ValueError):
     """A tag, name, path or option is not acceptable."""
 
 
+class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
+    """An argument of the wrong type (an ``int`` where a path goes, say). It is a
+    ``TypeError`` and, as every bad argument, an :class:`InvalidArgumentError`."""
+
+
 class NotFoundError(NebuliteError, LookupError):
     """The checkpoint, tag or object does not exist (or is not committed)."""
 

@@ -44,6 +44,7 @@ struct EngineOptions {
   int copy_threads = 0;       // 0 = every CPU
   int io_threads = 0;         // 0 = 4
   bool direct_io = true;
+  uint32_t file_mode = 0;                // of the files it persists: PosixOptions::file_mode
   uint32_t retention = 0;                // committed versions kept (store and memory); 0 = all
   double commit_timeout_seconds = 600;   // how long rank 0 waits for other ranks
   double reserve_timeout_seconds = 600;  // how long a save waits for arena space

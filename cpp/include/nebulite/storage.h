@@ -141,7 +141,14 @@ std::string BaseName(const std::string& path);   // the last component
 struct PosixOptions {
   bool direct_io = true;   // O_DIRECT for aligned writes
   bool read_only = false;  // never create, write or probe anything
+  // Permissions of the files this store creates. 0: 0666 and directories 0777, less the
+  // process umask (what torch.save gets). Otherwise exactly this mode, whatever the umask,
+  // and directories this mode plus search (x) wherever it grants read; it must grant its
+  // owner read and write (ValidateFileMode). Lock files are always 0600.
+  uint32_t file_mode = 0;
 };
+// OK for 0 and for a mode of at most 0777 with owner read and write.
+Status ValidateFileMode(uint32_t mode);
 // Opens a posix store rooted at `root`. Read-write: the root is created if missing and
 // must be writable (PermissionDenied otherwise). Read-only: the root must exist
 // (NotFound otherwise) and nothing is ever created or written.

@@ -665,7 +665,9 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   if (o.memory_bytes == 0) o.memory_bytes = DefaultMemoryBytes();
   std::shared_ptr<Storage> storage = o.storage_override;
   if (!storage && !o.persist_root.empty()) {
-    NEBULITE_ASSIGN_OR_RETURN(storage, OpenPosixStorage(o.persist_root, o.direct_io));
+    NEBULITE_ASSIGN_OR_RETURN(
+        storage, OpenPosixStorage(o.persist_root,
+                                  PosixOptions{o.direct_io, /*read_only=*/false, o.file_mode}));
   }
   std::shared_ptr<Arena> arena = o.arena;
   if (!arena) {

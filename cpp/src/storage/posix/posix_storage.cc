@@ -51,6 +51,7 @@
 #include <atomic>
 #include <cerrno>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -126,9 +127,26 @@ std::string ParentOfFull(const std::string& full) {
   return full.substr(0, pos);
 }
 
+// Modes of what a store creates (PosixOptions::file_mode); 0 leaves them to the umask.
+struct CreateModes {
+  explicit CreateModes(uint32_t file_mode) : file(file_mode) {
+    if (file_mode != 0) dir = file_mode | ((file_mode & 0444) >> 2);  // x wherever r
+  }
+  mode_t open_file() const { return file != 0 ? file : 0666; }
+  mode_t make_dir() const { return dir != 0 ? dir : 0777; }
+  uint32_t file = 0;
+  uint32_t dir = 0;
+};
+
+// An explicit mode holds whatever the umask: set it on what was just created.
+int ApplyFileMode(int fd, const CreateModes& modes) {
+  if (modes.file == 0) return 0;
+  return ::fchmod(fd, modes.file) == 0 ? 0 : errno;
+}
+
 // mkdir -p of an absolute or relative OS path. Every directory created here is made
 // durable by fsyncing its parent.
-Status MakeDirsOnce(const std::string& full) {
+Status MakeDirsOnce(const std::string& full, const CreateModes& modes) {
   if (full.empty()) return Status::OK();
   struct stat st;
   if (::stat(full.c_str(), &st) == 0) {
@@ -136,14 +154,16 @@ Status MakeDirsOnce(const std::string& full) {
     return Status::FromErrno(ENOTDIR, "create directory '" + full + "'");
   }
   std::string parent = ParentOfFull(full);
-  if (parent != full) NEBULITE_RETURN_IF_ERROR(MakeDirsOnce(parent));
-  if (::mkdir(full.c_str(), 0755) != 0) {
+  if (parent != full) NEBULITE_RETURN_IF_ERROR(MakeDirsOnce(parent, modes));
+  if (::mkdir(full.c_str(), modes.make_dir()) != 0) {
     int err = errno;
     if (err == EEXIST && ::stat(full.c_str(), &st) == 0 && S_ISDIR(st.st_mode)) {
       return Status::OK();  // another writer created it concurrently
     }
     return ErrnoStatus(err, "create directory", full);
   }
+  if (modes.dir != 0 && ::chmod(full.c_str(), modes.dir) != 0)
+    return ErrnoStatus(errno, "set the mode of", full);
   int err = FsyncDirectory(parent);
   if (err != 0) return ErrnoStatus(err, "fsync directory", parent);
   return Status::OK();
@@ -151,9 +171,9 @@ Status MakeDirsOnce(const std::string& full) {
 
 // A parent may vanish between its creation and the child's (another process removing
 // an empty tag directory with RemoveDirIfEmpty): start again from the top.
-Status MakeDirs(const std::string& full) {
+Status MakeDirs(const std::string& full, const CreateModes& modes) {
   for (int attempt = 0;; ++attempt) {
-    Status st = MakeDirsOnce(full);
+    Status st = MakeDirsOnce(full, modes);
     if (st.code() != StatusCode::kNotFound || attempt == 16) return st;
   }
 }
@@ -285,7 +305,7 @@ Result<std::pair<int, struct stat>> OpenRegular(const std::string& full) {
 class PosixStorage final : public Storage {
  public:
   PosixStorage(std::string root, PosixOptions options)
-      : root_(std::move(root)), options_(options) {}
+      : root_(std::move(root)), options_(options), modes_(options.file_mode) {}
 
   std::string Describe() const override { return "posix:" + root_; }
   bool read_only() const override { return options_.read_only; }
@@ -294,14 +314,19 @@ class PosixStorage final : public Storage {
                                                         uint64_t size) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
     NEBULITE_RETURN_IF_ERROR(Writable());
-    NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(ParentDir(path))));
+    NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(ParentDir(path)), modes_));
     std::string full = Full(path);
-    int fd = ::open(full.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK, 0644);
+    int fd = ::open(full.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NONBLOCK,
+                    modes_.open_file());
     if (fd < 0) return OpenForWriteError(errno, "create", full);
     struct stat st;
     if (::fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
       ::close(fd);
       return Status::InvalidArgument("'" + full + "' is not a regular file");
+    }
+    if (int err = ApplyFileMode(fd, modes_); err != 0) {
+      ::close(fd);
+      return ErrnoStatus(err, "set the mode of", full);
     }
     int direct_fd = -1;
     if (options_.direct_io) {
@@ -326,15 +351,20 @@ class PosixStorage final : public Storage {
   Status AppendToFile(const std::string& path, const std::string& data) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
     NEBULITE_RETURN_IF_ERROR(Writable());
-    NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(ParentDir(path))));
+    NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(ParentDir(path)), modes_));
     const std::string full = Full(path);
-    int fd = ::open(full.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK, 0644);
+    int fd = ::open(full.c_str(), O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC | O_NONBLOCK,
+                    modes_.open_file());
     if (fd < 0) return OpenForWriteError(errno, "open", full);
     FdCloser closer(fd);
     struct stat st;
     if (::fstat(fd, &st) != 0) return ErrnoStatus(errno, "stat", full);
     if (!S_ISREG(st.st_mode))
       return Status::InvalidArgument("'" + full + "' is not a regular file");
+    if (st.st_size == 0) {  // most likely created just now
+      if (int err = ApplyFileMode(fd, modes_); err != 0 && err != EPERM)
+        return ErrnoStatus(err, "set the mode of", full);
+    }
     // One write() of the whole line: O_APPEND keeps concurrent appenders' lines whole.
     ssize_t w;
     do {
@@ -445,7 +475,7 @@ class PosixStorage final : public Storage {
   Status CreateDirs(const std::string& dir) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(dir, "directory", true));
     NEBULITE_RETURN_IF_ERROR(Writable());
-    return MakeDirs(Full(dir));
+    return MakeDirs(Full(dir), modes_);
   }
 
   Status Rename(const std::string& from, const std::string& to) override {
@@ -500,7 +530,7 @@ class PosixStorage final : public Storage {
     if (options_.read_only) {
       fd = ::open(full.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     } else {
-      NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(ParentDir(path))));
+      NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(ParentDir(path)), modes_));
       fd = ::open(full.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_CLOEXEC, 0644);
     }
     if (fd < 0) return ErrnoStatus(errno, "open lock", full);
@@ -540,7 +570,7 @@ class PosixStorage final : public Storage {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
     NEBULITE_RETURN_IF_ERROR(Writable());
     const std::string dir = ParentDir(path);
-    NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(dir)));
+    NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(dir), modes_));
     std::string name = BaseName(path);
     // Keep the temporary name under NAME_MAX even for a 255-byte target name.
     if (name.size() > 200) name.resize(200);
@@ -548,7 +578,7 @@ class PosixStorage final : public Storage {
     const std::string temp = Full(JoinPath(dir, "." + name + ".tmp." + std::to_string(::getpid()) +
                                                     "." + std::to_string(++g_temp_counter)));
     // 1. Write the temporary file.
-    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, modes_.open_file());
     if (fd < 0) return ErrnoStatus(errno, "create", temp);
     FdCloser closer(fd);
     auto fail = [&](int err, const char* what) {
@@ -556,6 +586,7 @@ class PosixStorage final : public Storage {
       ::unlink(temp.c_str());
       return ErrnoStatus(err, what, temp);
     };
+    if (int err = ApplyFileMode(fd, modes_); err != 0) return fail(err, "set the mode of");
     if (int err = PwriteFully(fd, data.data(), data.size(), 0); err != 0) return fail(err, "write");
     // 2. Make its bytes durable.
     if (::fsync(fd) != 0) return fail(errno, "fsync");
@@ -611,9 +642,19 @@ class PosixStorage final : public Storage {
 
   const std::string root_;
   const PosixOptions options_;
+  const CreateModes modes_;
 };
 
 }  // namespace
+
+Status ValidateFileMode(uint32_t mode) {
+  if (mode == 0 || (mode <= 0777 && (mode & 0600) == 0600)) return Status::OK();
+  char text[16];
+  std::snprintf(text, sizeof text, "0%o", mode);
+  return Status::InvalidArgument(std::string("file_mode ") + text +
+                                 " must be a permission mode of at most 0777 that lets its "
+                                 "owner read and write (0600, 0640, 0644, ...)");
+}
 
 Result<std::unique_ptr<Storage>> OpenPosixStorage(const std::string& root,
                                                   const PosixOptions& options) {
@@ -635,7 +676,8 @@ Result<std::unique_ptr<Storage>> OpenPosixStorage(const std::string& root,
   if (::stat(clean.c_str(), &st) == 0 && !S_ISDIR(st.st_mode)) {
     return Status::InvalidArgument("storage root '" + clean + "' is not a directory");
   }
-  Status made = MakeDirs(clean);
+  NEBULITE_RETURN_IF_ERROR(ValidateFileMode(options.file_mode));
+  Status made = MakeDirs(clean, CreateModes(options.file_mode));
   if (!made.ok()) {
     return Status(made.code(), "cannot create storage root '" + clean + "': " + made.message());
   }

@@ -110,6 +110,68 @@ TEST_F(PosixStorageTest, OnlyRegularFilesAreData) {
   EXPECT_EQ((*s)->TryLock("lockfifo", false).status().code(), StatusCode::kInvalidArgument);
 }
 
+mode_t ModeOf(const std::string& path) {
+  struct stat st;
+  if (::stat(path.c_str(), &st) != 0) return 07777;
+  return st.st_mode & 07777;
+}
+
+// Restores the umask a test changed.
+class UmaskScope {
+ public:
+  explicit UmaskScope(mode_t mask) : old_(::umask(mask)) {}
+  ~UmaskScope() { ::umask(old_); }
+
+ private:
+  mode_t old_;
+};
+
+TEST_F(PosixStorageTest, FilesFollowTheUmaskByDefault) {
+  UmaskScope mask(002);
+  auto s = OpenPosixStorage(dir_ + "/store", false);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_TRUE((*s)->WriteFileAtomic("t/atomic", "x").ok());
+  ASSERT_TRUE((*s)->AppendToFile("t/appended", "x\n").ok());
+  auto w = (*s)->NewWritableFile("t/written", 0);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->Close().ok());
+  for (const char* f : {"/store/t/atomic", "/store/t/appended", "/store/t/written"})
+    EXPECT_EQ(ModeOf(dir_ + f), 0664u) << f;
+  EXPECT_EQ(ModeOf(dir_ + "/store/t"), 0775u);
+}
+
+TEST_F(PosixStorageTest, AnExplicitFileModeHoldsWhateverTheUmask) {
+  UmaskScope mask(077);
+  PosixOptions options;
+  options.direct_io = false;
+  options.file_mode = 0640;
+  auto s = OpenPosixStorage(dir_ + "/store", options);
+  ASSERT_TRUE(s.ok()) << s.status().ToString();
+  ASSERT_TRUE((*s)->WriteFileAtomic("t/v/atomic", "x").ok());
+  ASSERT_TRUE((*s)->CreateFileExclusive("t/v/exclusive", "x").ok());
+  ASSERT_TRUE((*s)->AppendToFile("t/appended", "x\n").ok());
+  auto w = (*s)->NewWritableFile("t/v/written", 0);
+  ASSERT_TRUE(w.ok());
+  ASSERT_TRUE((*w)->Close().ok());
+  for (const char* f :
+       {"/store/t/v/atomic", "/store/t/v/exclusive", "/store/t/appended", "/store/t/v/written"})
+    EXPECT_EQ(ModeOf(dir_ + f), 0640u) << f;
+  // Directories: search wherever the mode grants read.
+  EXPECT_EQ(ModeOf(dir_ + "/store/t"), 0750u);
+  EXPECT_EQ(ModeOf(dir_ + "/store/t/v"), 0750u);
+}
+
+TEST_F(PosixStorageTest, AFileModeMustLetTheOwnerReadAndWrite) {
+  for (uint32_t bad : {0400u, 0200u, 01777u, 04644u, 0100000u}) {
+    PosixOptions options;
+    options.file_mode = bad;
+    EXPECT_EQ(OpenPosixStorage(dir_ + "/store", options).status().code(),
+              StatusCode::kInvalidArgument)
+        << std::oct << bad;
+  }
+  EXPECT_FALSE(std::filesystem::exists(dir_ + "/store"));  // refused before creating anything
+}
+
 TEST_F(PosixStorageTest, ReadOnlyStoreWritesNothing) {
   ASSERT_EQ(::mkdir((dir_ + "/ro").c_str(), 0755), 0);
   {
