@@ -11,6 +11,7 @@ import collections
 import ctypes
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
 import socket
@@ -25,19 +26,72 @@ from typing import Any
 from .. import _core, errors
 from . import protocol
 
+log = logging.getLogger("nebulite.agent")
+
 #: How long a trainer waits for an agent it started to listen.
 START_TIMEOUT = 60.0
 
 
+#: How many numbered alternatives to /tmp/nebulite-<uid> are tried (see runtime_dir()).
+RUNTIME_DIR_CANDIDATES = 16
+
+
+def _private_dir(path: str) -> bool:
+    """Creates `path` as a private directory, or accepts it if it already is one of this
+    user's: a real directory (not a symlink), owned by this uid, mode 0700. Anything else
+    is left untouched (never chmod'ed, never followed)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+            and stat.S_IMODE(st.st_mode) == 0o700)
+
+
 def runtime_dir() -> str:
-    """A per-user directory (0700) for agent sockets, locks and logs."""
-    base = os.environ.get("NEBULITE_RUNTIME_DIR") or f"/tmp/nebulite-{os.getuid()}"
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    st = os.stat(base)
-    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise errors.StoragePermissionError(
-            f"{base} must belong to uid {os.getuid()} and be private (mode 0700)")
-    return base
+    """A per-user directory (0700) for agent sockets, locks and logs. Every process of one
+    user on a node finds the same one, so the ranks of a job share one agent:
+
+    1. ``$NEBULITE_RUNTIME_DIR`` when set (it must be private: it is never replaced);
+    2. ``$XDG_RUNTIME_DIR/nebulite`` when ``$XDG_RUNTIME_DIR`` is set;
+    3. the first of ``$TMPDIR/nebulite-<uid>``, ``...-<uid>.1``, ``...-<uid>.2``, ... that is
+       (or can be created as) this user's private directory: one that another user created
+       first, a symlink, or one open to others is passed over, never changed.
+    """
+    uid = os.getuid()
+    explicit = os.environ.get("NEBULITE_RUNTIME_DIR")
+    if explicit:
+        os.makedirs(os.path.dirname(os.path.abspath(explicit)), exist_ok=True)
+        if not _private_dir(explicit):
+            raise errors.StoragePermissionError(
+                f"NEBULITE_RUNTIME_DIR={explicit} must be a directory of uid {uid} with "
+                "mode 0700 (not a symlink)")
+        return explicit
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):
+        path = os.path.join(xdg, "nebulite")
+        if _private_dir(path):
+            return path
+    base = os.path.join(os.environ.get("TMPDIR") or "/tmp", f"nebulite-{uid}")
+    tried = []
+    for i in range(RUNTIME_DIR_CANDIDATES):
+        path = base if i == 0 else f"{base}.{i}"
+        if _private_dir(path):
+            if i:
+                log.warning("nebulite: %s is not a private directory of uid %d; using %s",
+                            base, uid, path)
+            return path
+        tried.append(path)
+    raise errors.StoragePermissionError(
+        f"no private runtime directory for the node agent: {', '.join(tried)} all belong to "
+        "another user, are symlinks or are open to others; set NEBULITE_RUNTIME_DIR to a "
+        "directory of your own (mode 0700)")
 
 
 def node_id() -> str:
