@@ -6,14 +6,19 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import stat
 import tempfile
+import threading
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
 import nebulite
+from nebulite import errors
+from nebulite._config import Config
 from nebulite.agent import client
 
 from conftest import kill_agents_of
@@ -75,3 +80,74 @@ def test_the_runtime_directory_is_under_xdg_runtime_dir_when_set(tmp_base, monke
     monkeypatch.setenv("XDG_RUNTIME_DIR", str(xdg))
     assert client.runtime_dir() == str(xdg / "nebulite")
     assert stat.S_IMODE(os.lstat(xdg / "nebulite").st_mode) == 0o700
+
+
+def _save_in_thread(tag: str) -> list:
+    """Saves a checkpoint on a thread; the list gets its outcome (None or the exception)."""
+    outcome: list = []
+
+    def run() -> None:
+        try:
+            nebulite.Checkpoint(tag).save("x", torch.ones(10))
+            outcome.append(None)
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome.append(e)
+
+    t = threading.Thread(target=run)
+    t.start()
+    t.join(timeout=120)  # a bound on a hang, not a timing: the deadline is 1 s
+    if t.is_alive():
+        outcome.append(TimeoutError("save() still blocked"))
+    return outcome
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_a_stopped_agent_fails_save_with_agent_lost(agent_env, store, fallback):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20,
+                  agent_timeout=1, agent_fallback=fallback)
+    pid = nebulite.api._session.engine.agent_pid
+    nebulite.Checkpoint("before").save("x", torch.ones(10))
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        outcome = _save_in_thread("during")
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    assert len(outcome) == 1 and isinstance(outcome[0], errors.AgentLostError), outcome
+    message = str(outcome[0])
+    assert f"pid {pid}" in message and "stopped" in message and "agent=False" in message
+    if not fallback:
+        with pytest.raises(errors.AgentLostError):  # and every later call, at once
+            nebulite.Checkpoint("after").save("x", torch.ones(10))
+        return
+    with pytest.warns(RuntimeWarning, match="embedded"):
+        nebulite.Checkpoint("after").save("x", torch.full((10,), 2.0))
+    assert nebulite.api._session.engine.__class__.__name__ == "Engine"
+    latest = nebulite.get_latest_checkpoint()
+    assert latest.tag == "after" and torch.equal(latest.load("x"), torch.full((10,), 2.0))
+    nebulite.flush_persistence()
+    assert "after" in [e["tag"] for e in nebulite._core.read_catalog(store)[0]]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # one warning only
+        nebulite.Checkpoint("later").save("x", torch.ones(10))
+
+
+@pytest.mark.parametrize("text,value", [("1", True), ("yes", True), ("False", False),
+                                        ("no", False), ("0", False)])
+def test_agent_fallback_is_parsed_strictly(monkeypatch, text, value):
+    monkeypatch.setenv("NEBULITE_AGENT_FALLBACK", text)
+    assert Config.resolve(None, None, None, {}).agent_fallback is value
+
+
+@pytest.mark.parametrize("text", ["on", "2", "", "maybe"])
+def test_agent_fallback_refuses_anything_else(monkeypatch, text):
+    monkeypatch.setenv("NEBULITE_AGENT_FALLBACK", text)
+    with pytest.raises(errors.InvalidArgumentError):
+        Config.resolve(None, None, None, {})
+
+
+def test_the_agent_timeout_comes_from_the_environment(monkeypatch):
+    monkeypatch.setenv("NEBULITE_AGENT_TIMEOUT", "2.5")
+    assert Config.resolve(None, None, None, {}).agent_timeout == 2.5
+    monkeypatch.setenv("NEBULITE_AGENT_TIMEOUT", "0")
+    with pytest.raises(errors.InvalidArgumentError):
+        Config.resolve(None, None, None, {})

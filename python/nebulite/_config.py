@@ -23,6 +23,22 @@ def _parse_number(name: str, value: Any, kind: type) -> Any:
     return out
 
 
+_TRUE = ("1", "true", "yes")
+_FALSE = ("0", "false", "no")
+
+
+def _parse_bool(name: str, value: Any) -> bool:
+    """A bool, or one of 0/1/true/false/yes/no (any case); anything else is refused."""
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in _TRUE:
+        return True
+    if text in _FALSE:
+        return False
+    raise InvalidArgumentError(f"{name} must be one of 0/1/true/false/yes/no, got {value!r}")
+
+
 @dataclass
 class Config:
     persistent_storage_path: str | None = None
@@ -40,6 +56,10 @@ class Config:
     async_staging: bool = False
     agent: bool = True
     agent_idle_exit: float = 60.0
+    # Seconds a request may go unanswered by the agent before the trainer gets
+    # AgentLostError (requests that wait by design get their own wait on top).
+    agent_timeout: float = 60.0
+    agent_fallback: bool = False  # on AgentLostError, go on with the embedded engine
     rank: int | None = None
     world_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -102,6 +122,18 @@ class Config:
             idle = env.get("NEBULITE_AGENT_IDLE_EXIT")
         if idle is not None:
             c.agent_idle_exit = _parse_number("agent_idle_exit", idle, float)
+        timeout = more.pop("agent_timeout", None)
+        if timeout is None:
+            timeout = env.get("NEBULITE_AGENT_TIMEOUT")
+        if timeout is not None:
+            c.agent_timeout = _parse_number("agent_timeout", timeout, float)
+            if not c.agent_timeout > 0:
+                raise InvalidArgumentError(f"agent_timeout must be positive, got {timeout!r}")
+        fallback = more.pop("agent_fallback", None)
+        if fallback is None:
+            fallback = env.get("NEBULITE_AGENT_FALLBACK")
+        if fallback is not None:
+            c.agent_fallback = _parse_bool("agent_fallback", fallback)
         flag = more.pop("async_staging", None)
         if flag is None:
             flag = env.get("NEBULITE_ASYNC_STAGING", "0").lower() in ("1", "true", "yes", "on")
