@@ -7,9 +7,11 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import stat
 import tempfile
 import threading
+import time
 import warnings
 from pathlib import Path
 
@@ -19,7 +21,7 @@ import torch
 import nebulite
 from nebulite import errors
 from nebulite._config import Config
-from nebulite.agent import client
+from nebulite.agent import client, protocol
 
 from conftest import kill_agents_of
 
@@ -151,3 +153,93 @@ def test_the_agent_timeout_comes_from_the_environment(monkeypatch):
     monkeypatch.setenv("NEBULITE_AGENT_TIMEOUT", "0")
     with pytest.raises(errors.InvalidArgumentError):
         Config.resolve(None, None, None, {})
+
+
+class _Raw:
+    """A same-user client speaking the protocol by hand to the agent of `store`."""
+
+    def __init__(self, store: str, rank: int = 0, world_size: int = 1) -> None:
+        self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.sock.connect(client.socket_path(store))
+        self.reply = self.request({"op": "hello", "version": protocol.VERSION, "rank": rank,
+                                   "world_size": world_size})
+
+    def request(self, message: dict) -> dict:
+        protocol.send(self.sock, message)
+        reply, fds = protocol.recv(self.sock, with_fds=True)
+        for fd in fds:
+            os.close(fd)
+        return reply
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def test_a_commit_number_at_the_end_of_the_range_harms_no_later_trainer(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20,
+                  persistent_time_interval=3600)
+    nebulite.Checkpoint("first").save("x", torch.ones(10))
+    hostile = _Raw(store)
+    key = {"tag": "evil", "version": "v1", "name": "x"}
+    assert hostile.request(dict(key, op="reserve", records=[["data.pkl", 16]]))["ok"]
+    assert hostile.request(dict(key, op="seal", crcs=[0]))["ok"]
+    reply = hostile.request({"op": "commit", "tag": "evil", "version": "v1",
+                             "seq": (1 << 63) - 1, "persist": False})
+    assert reply["ok"] and reply["seq"] < 1 << 32, reply  # the agent's number, not the client's
+    hostile.close()
+    nebulite.shutdown()
+    # Every later trainer of this agent goes on, and its checkpoints are the newest.
+    for tag in ("second", "third"):
+        nebulite.init(persistent_storage_path=store, agent=True, persistent_time_interval=0)
+        nebulite.Checkpoint(tag).save("x", torch.full((10,), 2.0))
+        nebulite.flush_persistence()
+        assert nebulite.get_latest_checkpoint().tag == tag
+        nebulite.shutdown()
+    nebulite.init(persistent_storage_path=store, agent=True)
+    seqs = {e["tag"]: e["seq"] for e in nebulite.list_checkpoints()}
+    assert seqs["second"] < seqs["third"] and all(v < 1 << 32 for v in seqs.values()), seqs
+    assert nebulite._core.newest_claimed_seq(store) < 1 << 32
+
+
+def test_numbers_out_of_bounds_get_an_error_and_the_agent_serves_on(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
+    for hello in ({"rank": 0, "world_size": 1 << 40}, {"rank": 5, "world_size": 5},
+                  {"rank": -1, "world_size": 2}):
+        c = _Raw(store, **hello)
+        assert c.reply["ok"] is False and c.reply["error"]["type"] == "InvalidArgumentError"
+        c.close()
+    c = _Raw(store)
+    for bad in ({"op": "adopt", "tag": "t", "version": "v", "name": "x", "size": 1,
+                 "crc32": 1 << 40},
+                {"op": "flush", "timeout": -1},
+                {"op": "unpin", "lease": -1},
+                {"op": "reserve", "tag": "t", "version": "v", "name": "x",
+                 "records": [["a", 1 << 64]]}):
+        reply = c.request(bad)
+        assert reply["ok"] is False and reply["error"]["type"] == "InvalidArgumentError", reply
+    assert c.request({"op": "memory"})["ok"]
+    c.close()
+    nebulite.Checkpoint("a").save("x", torch.ones(10))
+    assert nebulite.get_latest_checkpoint().load("x").sum() == 10
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_engines_of_departed_trainers_are_released(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
+    pid = nebulite.api._session.engine.agent_pid
+    nebulite.Checkpoint("a").save("x", torch.ones(10))
+    nebulite.flush_persistence()
+    baseline = _threads(pid)
+    for world in range(2, 12):
+        c = _Raw(store, rank=world - 1, world_size=world)
+        assert c.reply["ok"], c.reply
+        c.close()
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+    while _threads(pid) > baseline and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert _threads(pid) <= baseline
+    nebulite.Checkpoint("b").save("x", torch.ones(10))  # the trainer's own engine serves on
+    assert nebulite.get_latest_checkpoint().tag == "b"

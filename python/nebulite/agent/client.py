@@ -435,7 +435,8 @@ class AgentEngine:
         return bool(self._call("must_persist", tag=tag, version=version)["value"])
 
     def commit(self, tag: str, version: str, seq: int, persist: bool) -> None:
-        fields = {"tag": tag, "version": version, "seq": seq, "persist": persist}
+        """Commits on this rank. `seq` is not sent: the agent numbers commits itself."""
+        fields = {"tag": tag, "version": version, "persist": persist}
         if self._jobs:  # after the seals it depends on; commit() does not wait for them
             self._submit(("call", "commit", fields))
         else:
