@@ -527,7 +527,7 @@ def main(argv: list[str] | None = None) -> int:
                         "('' = memory only)")
     p.add_argument("--socket", default=None,
                    help="socket to listen on (default: the one trainers of this node and "
-                        "root look for, in $NEBULITE_RUNTIME_DIR or /tmp/nebulite-<uid>)")
+                        "root look for, in their runtime directory: see client.runtime_dir())")
     p.add_argument("--memory", type=int, default=0, help="bytes of shared memory (0 = default)")
     p.add_argument("--retention", type=int, default=2)
     p.add_argument("--commit-timeout", type=float, default=600.0)
