@@ -57,6 +57,12 @@ def agent_env(tmp_path, monkeypatch):
     rt = Path(tempfile.mkdtemp(prefix="nbrt-"))  # short: Unix socket paths are limited
     monkeypatch.setenv("NEBULITE_RUNTIME_DIR", str(rt))
     yield rt
+    kill_agents_of(rt)
+    shutil.rmtree(rt, ignore_errors=True)
+
+
+def kill_agents_of(rt: Path) -> None:
+    """Kills the agents whose logs are in runtime directory `rt`."""
     for log in rt.glob("agent-*.log"):
         for line in log.read_text().splitlines():
             if "nebulite agent" in line and "serving" in line:
@@ -65,4 +71,3 @@ def agent_env(tmp_path, monkeypatch):
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-    shutil.rmtree(rt, ignore_errors=True)

@@ -106,13 +106,14 @@ def connect():
         c.close()
 
 
-def _save(c: _Served, tag: str, seq: int, persist: bool = False) -> None:
+def _save(c: _Served, tag: str, persist: bool = False) -> int:
     """A checkpoint of one small object, committed (its bytes are zeros)."""
     key = {"tag": tag, "version": "v1", "name": "x"}
     assert c.request(dict(key, op="reserve", records=[["data.pkl", 16]]))["ok"]
     assert c.request(dict(key, op="seal", crcs=[0]))["ok"]
-    assert c.request({"op": "commit", "tag": tag, "version": "v1", "seq": seq,
-                      "persist": persist})["ok"]
+    reply = c.request({"op": "commit", "tag": tag, "version": "v1", "persist": persist})
+    assert reply["ok"], reply
+    return reply["seq"]
 
 
 @pytest.mark.parametrize("raw, answer", [
@@ -154,14 +155,14 @@ def test_any_exception_of_a_request_is_answered_and_the_connection_survives(
     agent.fault = fault = fault_type("injected")
     c = connect(agent)
     c.hello()
-    _save(c, "t", 1)
+    _save(c, "t")
     reply = c.request({"op": "pin", "tag": "t", "version": "v1", "name": "x"})
     assert reply["ok"] is False
     assert reply["error"]["type"] == "NebuliteError"
     assert "injected" in reply["error"]["message"]
     assert c.alive()
     # What it had staged is still its own: committing another checkpoint works.
-    _save(c, "u", 2)
+    _save(c, "u")
     assert [v["tag"] for v in c.request({"op": "versions"})["versions"]] == ["t", "u"]
     assert any(r.exc_info and r.exc_info[1] is fault for r in caplog.records)  # logged
 
@@ -180,7 +181,7 @@ def test_the_history_reply_is_bounded_to_the_newest_rows(make_agent, connect, mo
     c = connect(make_agent())
     c.hello()
     for seq in range(1, 21):
-        _save(c, f"t{seq}", seq)
+        _save(c, f"t{seq}")
     everything = c.request({"op": "history"})
     assert everything["ok"] and everything["omitted"] == 0
     rows = everything["rows"]
@@ -209,7 +210,7 @@ def test_the_trainer_is_told_when_history_rows_were_left_out(make_agent, monkeyp
             engine._call("reserve", tag=f"t{seq}", version="v1", name="x",
                          records=[["data.pkl", 16]])
             engine._call("seal", tag=f"t{seq}", version="v1", name="x", crcs=[0])
-            engine._call("commit", tag=f"t{seq}", version="v1", seq=seq, persist=False)
+            engine._call("commit", tag=f"t{seq}", version="v1", persist=False)
         rows = engine.history()
         monkeypatch.setattr(protocol, "MAX_MESSAGE", len(json.dumps(rows)) // 2)
         with pytest.warns(UserWarning, match="older ones were left out"):
@@ -225,7 +226,7 @@ def test_any_reply_over_the_limit_becomes_an_error_reply(make_agent, connect, mo
     c = connect(make_agent())
     c.hello()
     for seq in range(1, 4):
-        _save(c, f"t{seq}", seq)
+        _save(c, f"t{seq}")
     size = len(json.dumps(c.request({"op": "versions"})))
     monkeypatch.setattr(protocol, "MAX_MESSAGE", size - 1)
     reply = c.request({"op": "versions"})
@@ -316,10 +317,10 @@ def test_closing_the_agent_closes_every_engine_whatever_failed(make_agent, conne
     waiting = connect(agent)  # rank 0 of 2: rank 1 never comes, persisting fails
     assert waiting.request({"op": "hello", "version": protocol.VERSION, "rank": 0,
                             "world_size": 2})["ok"]
-    _save(waiting, "never", 1, persist=True)
+    _save(waiting, "never", persist=True)
     alone = connect(agent)
     alone.hello()
-    _save(alone, "fine", 1, persist=True)
+    _save(alone, "fine", persist=True)
     agent.close()  # logs the failure, and closes the other engine too
     assert len(agent.engines) == 2
     for engine in agent.engines.values():

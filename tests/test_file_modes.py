@@ -78,3 +78,12 @@ def test_a_file_mode_the_owner_cannot_write_is_refused(store, bad):
     with pytest.raises(InvalidArgumentError, match="file_mode"):
         nebulite.init(store, file_mode=bad)
     assert not os.path.exists(store)
+
+
+def test_file_mode_through_the_node_agent(store, umask, agent_env):
+    umask(0o077)  # the agent inherits it; the mode given still holds
+    _checkpoint(store, agent=True, file_mode=0o640)
+    files, dirs = _modes(store)
+    assert any(f.endswith("COMMITTED") for f in files)
+    assert set(files.values()) == {0o640}, files
+    assert set(dirs.values()) == {0o750}, dirs

@@ -150,6 +150,10 @@ class Config:
     async_staging: bool = False
     agent: bool = True
     agent_idle_exit: float = 60.0
+    # Seconds a request may go unanswered by the agent before the trainer gets
+    # AgentLostError (requests that wait by design get their own wait on top).
+    agent_timeout: float = 60.0
+    agent_fallback: bool = False  # on AgentLostError, go on with the embedded engine
     rank: int | None = None
     world_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -212,6 +216,14 @@ class Config:
         what, grace = given("dead_run_grace", "NEBULITE_DEAD_RUN_GRACE")
         c.dead_run_grace = (max(3600.0, 2 * c.commit_timeout) if grace is None
                             else parse_seconds(what, grace))
+        what, timeout = given("agent_timeout", "NEBULITE_AGENT_TIMEOUT")
+        if timeout is not None:
+            c.agent_timeout = parse_seconds(what, timeout)
+            if c.agent_timeout == 0:
+                raise InvalidArgumentError(f"{what} must be positive, got {timeout!r}")
+        what, fallback = given("agent_fallback", "NEBULITE_AGENT_FALLBACK")
+        if fallback is not None:
+            c.agent_fallback = parse_bool(what, fallback)
         for key in ("rank", "world_size"):
             what, value = given(key)
             if value is not None:

@@ -25,6 +25,7 @@ from . import _core, _dist, _staging
 from ._config import Config, parse_path, parse_seconds
 from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
 from .errors import (
+    AgentLostError,
     CorruptCheckpointError,
     FailedPreconditionError,
     InvalidArgumentError,
@@ -112,13 +113,40 @@ class _Session:
         if config.agent:
             from .agent import client
 
-            self.engine = client.attach(
-                config.persistent_storage_path, config.memory_buffer_size,
-                config.num_of_version_in_retention, config.commit_timeout, config.io_threads,
-                config.agent_idle_exit, self.rank, self.world_size, config.prefault, self.run_id)
+            try:
+                self.engine = client.attach(
+                    config.persistent_storage_path, config.memory_buffer_size,
+                    config.num_of_version_in_retention, config.commit_timeout,
+                    config.io_threads, config.agent_idle_exit, self.rank, self.world_size,
+                    config.prefault, self.run_id, config.agent_timeout, config.file_mode)
+            except AgentLostError as e:
+                if not config.agent_fallback:
+                    raise
+                self.engine = self._fall_back(e)
         else:
             self.engine = self._open_embedded(config)
         self._finish_init()
+
+    def _fall_back(self, why: AgentLostError) -> Any:
+        """The embedded engine, in place of an agent that stopped answering (agent_fallback)."""
+        warnings.warn(f"nebulite: {why}; agent_fallback is on: checkpoints from now on are "
+                      "made by this process itself (embedded mode)", RuntimeWarning, stacklevel=4)
+        return self._open_embedded(self.config)
+
+    def fall_back_if_agent_lost(self) -> None:
+        """With agent_fallback, replaces an agent that stopped answering by the embedded
+        engine, once: versions open in the agent are forgotten (their saves failed)."""
+        if not (self.config.agent_fallback and getattr(self.engine, "lost", False)):
+            return
+        lost = self.engine
+        try:
+            lost.close(0)
+        except NebuliteError:  # what it still had queued failed with it
+            pass
+        self.engine = self._fall_back(AgentLostError(lost._lost))
+        self.open.clear()
+        self.pending.clear()
+        self._shared_memory = None
 
     def _open_embedded(self, config: Config) -> Any:
         return _core.Engine.open(
@@ -255,6 +283,7 @@ _verified: dict[tuple[str, str, str], bool] = {}
 def _require_session() -> _Session:
     if _session is None:
         raise NotInitializedError("nebulite.init() must be called before saving checkpoints")
+    _session.fall_back_if_agent_lost()
     return _session
 
 
@@ -743,6 +772,8 @@ def _resolve_root(persist_path: str | os.PathLike[str] | None) -> str | None:
 def _candidates(persist_path: str | os.PathLike[str] | None) -> list[dict[str, Any]]:
     """Committed versions visible to this process, newest commit first."""
     s = _session
+    if s is not None:
+        s.fall_back_if_agent_lost()
     root = _resolve_root(persist_path)
     out: list[dict[str, Any]] = []
     memory_keys: dict[tuple[str, str], dict[str, Any]] = {}

@@ -58,9 +58,10 @@ class NotInitializedError(FailedPreconditionError):
 
 
 class AgentLostError(NebuliteError, ConnectionError):
-    """The node agent this trainer was attached to is gone (killed, or its socket closed).
+    """The node agent this trainer was attached to is gone (killed, or its socket closed)
+    or stopped answering within ``agent_timeout`` (stopped, in a debugger, swapping).
     Checkpoints it had committed to the store are safe; call ``nebulite.init()`` again to
-    attach to a new agent."""
+    attach to a new agent, or let nebulite go on without one (``agent_fallback=True``)."""
 
 
 class PersistError(NebuliteError):

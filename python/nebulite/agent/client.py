@@ -11,10 +11,13 @@ import collections
 import ctypes
 import fcntl
 import hashlib
+import logging
 import mmap
 import os
+import select
 import socket
 import stat
+import struct
 import subprocess
 import sys
 import threading
@@ -25,19 +28,80 @@ from typing import Any
 from .. import _core, errors
 from . import protocol
 
+log = logging.getLogger("nebulite.agent")
+
 #: How long a trainer waits for an agent it started to listen.
 START_TIMEOUT = 60.0
+#: Seconds a request may go unanswered before the agent counts as lost (init option
+#: agent_timeout, $NEBULITE_AGENT_TIMEOUT).
+DEFAULT_TIMEOUT = 60.0
+#: How long the agent may legitimately take to answer, on top of the timeout, for the
+#: requests that wait by design: a reservation waits for memory (the agent's reserve
+#: timeout), a flush for as long as it was asked to.
+_WAITS = {"reserve": 600.0, "wait_prefaulted": 600.0}
+_MAX_WAIT = 1e9  # seconds: longer never ends anyway, and stays within select()'s range
+
+
+#: How many numbered alternatives to /tmp/nebulite-<uid> are tried (see runtime_dir()).
+RUNTIME_DIR_CANDIDATES = 16
+
+
+def _private_dir(path: str) -> bool:
+    """Creates `path` as a private directory, or accepts it if it already is one of this
+    user's: a real directory (not a symlink), owned by this uid, mode 0700. Anything else
+    is left untouched (never chmod'ed, never followed)."""
+    try:
+        os.mkdir(path, 0o700)
+    except FileExistsError:
+        pass
+    except OSError:
+        return False
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return False
+    return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
+            and stat.S_IMODE(st.st_mode) == 0o700)
 
 
 def runtime_dir() -> str:
-    """A per-user directory (0700) for agent sockets, locks and logs."""
-    base = os.environ.get("NEBULITE_RUNTIME_DIR") or f"/tmp/nebulite-{os.getuid()}"
-    os.makedirs(base, mode=0o700, exist_ok=True)
-    st = os.stat(base)
-    if st.st_uid != os.getuid() or stat.S_IMODE(st.st_mode) & 0o077:
-        raise errors.StoragePermissionError(
-            f"{base} must belong to uid {os.getuid()} and be private (mode 0700)")
-    return base
+    """A per-user directory (0700) for agent sockets, locks and logs. Every process of one
+    user on a node finds the same one, so the ranks of a job share one agent:
+
+    1. ``$NEBULITE_RUNTIME_DIR`` when set (it must be private: it is never replaced);
+    2. ``$XDG_RUNTIME_DIR/nebulite`` when ``$XDG_RUNTIME_DIR`` is set;
+    3. the first of ``$TMPDIR/nebulite-<uid>``, ``...-<uid>.1``, ``...-<uid>.2``, ... that is
+       (or can be created as) this user's private directory: one that another user created
+       first, a symlink, or one open to others is passed over, never changed.
+    """
+    uid = os.getuid()
+    explicit = os.environ.get("NEBULITE_RUNTIME_DIR")
+    if explicit:
+        os.makedirs(os.path.dirname(os.path.abspath(explicit)), exist_ok=True)
+        if not _private_dir(explicit):
+            raise errors.StoragePermissionError(
+                f"NEBULITE_RUNTIME_DIR={explicit} must be a directory of uid {uid} with "
+                "mode 0700 (not a symlink)")
+        return explicit
+    xdg = os.environ.get("XDG_RUNTIME_DIR")
+    if xdg and os.path.isabs(xdg):
+        path = os.path.join(xdg, "nebulite")
+        if _private_dir(path):
+            return path
+    base = os.path.join(os.environ.get("TMPDIR") or "/tmp", f"nebulite-{uid}")
+    tried = []
+    for i in range(RUNTIME_DIR_CANDIDATES):
+        path = base if i == 0 else f"{base}.{i}"
+        if _private_dir(path):
+            if i:
+                log.warning("nebulite: %s is not a private directory of uid %d; using %s",
+                            base, uid, path)
+            return path
+        tried.append(path)
+    raise errors.StoragePermissionError(
+        f"no private runtime directory for the node agent: {', '.join(tried)} all belong to "
+        "another user, are symlinks or are open to others; set NEBULITE_RUNTIME_DIR to a "
+        "directory of your own (mode 0700)")
 
 
 def node_id() -> str:
@@ -74,7 +138,8 @@ def _connect(path: str) -> socket.socket | None:
 
 
 def connect_or_start(root: str | None, memory: int, retention: int, commit_timeout: float,
-                     io_threads: int, idle_exit: float, prefault: bool = False) -> socket.socket:
+                     io_threads: int, idle_exit: float, prefault: bool = False,
+                     file_mode: int = 0) -> socket.socket:
     """Connects to the agent of this node and scope, starting it if there is none.
     Concurrent callers agree on one agent through a lock file."""
     base = runtime_dir()
@@ -93,7 +158,8 @@ def connect_or_start(root: str | None, memory: int, retention: int, commit_timeo
             [sys.executable, "-m", "nebulite.agent", "--socket", path, "--root", root or "",
              "--memory", str(memory), "--retention", str(retention),
              "--commit-timeout", str(commit_timeout), "--io-threads", str(io_threads),
-             "--idle-exit", str(idle_exit)] + (["--prefault"] if prefault else []),
+             "--idle-exit", str(idle_exit), "--file-mode", f"{file_mode:o}"]
+            + (["--prefault"] if prefault else []),
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             close_fds=True)
         log.close()
@@ -110,15 +176,20 @@ def connect_or_start(root: str | None, memory: int, retention: int, commit_timeo
 
 def attach(root: str | None, memory: int, retention: int, commit_timeout: float,
            io_threads: int, idle_exit: float, rank: int, world_size: int,
-           prefault: bool = False, run_id: str | None = None) -> "AgentEngine":
+           prefault: bool = False, run_id: str | None = None,
+           timeout: float = DEFAULT_TIMEOUT, file_mode: int = 0) -> "AgentEngine":
     """Connects to (or starts) the agent and says hello. An agent that is dying while we
-    connect (killed, or leaving when idle) is replaced by a new one."""
+    connect (killed, or leaving when idle) is replaced by a new one; one that does not
+    answer within `timeout` raises AgentLostError."""
     deadline = time.monotonic() + START_TIMEOUT
     while True:
         sock = connect_or_start(root, memory, retention, commit_timeout, io_threads, idle_exit,
-                                prefault)
+                                prefault, file_mode)
         try:
-            return AgentEngine(sock, rank, world_size, root, run_id)
+            return AgentEngine(sock, rank, world_size, root, run_id, timeout)
+        except errors.AgentLostError:
+            sock.close()
+            raise
         except (ConnectionError, OSError):
             sock.close()
             if time.monotonic() > deadline:
@@ -158,8 +229,14 @@ class AgentEngine:
     """Drop-in for `_core.Engine`, backed by the node agent."""
 
     def __init__(self, sock: socket.socket, rank: int, world_size: int,
-                 root: str | None = None, run_id: str | None = None) -> None:
+                 root: str | None = None, run_id: str | None = None,
+                 timeout: float = DEFAULT_TIMEOUT) -> None:
         self._sock = sock
+        self._timeout = min(float(timeout), _MAX_WAIT)
+        self._lost: str | None = None  # why the agent counts as lost: every call raises it
+        # The peer's pid from the kernel, before the agent says anything (it may never).
+        creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+        self.agent_pid = struct.unpack("3i", creds)[0]
         self._rank = rank
         self._root = root
         self._lock = threading.Lock()
@@ -175,7 +252,13 @@ class AgentEngine:
                      "world_size": world_size, "pid": os.getpid()}
             if run_id and run_id.isascii() and run_id.isalnum() and len(run_id) <= 64:
                 hello["run"] = run_id  # the agent keeps the run alive while it works for it
+            sock.settimeout(self._timeout)  # bounds each send and receive
             protocol.send(sock, hello)
+            try:
+                self._await_reply("hello", 0.0)
+            except errors.AgentLostError:
+                sock.close()
+                raise
             reply, fds = protocol.recv(sock, with_fds=True)
         _raise_if_error(reply)
         if not fds:
@@ -191,21 +274,71 @@ class AgentEngine:
         os.close(fd)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
 
+    @property
+    def lost(self) -> bool:
+        """True once the agent stopped answering (or went away): every call then raises
+        AgentLostError."""
+        return self._lost is not None
+
     def _call(self, op: str, **fields: Any) -> dict[str, Any]:
+        wait = _WAITS.get(op, 0.0)
+        if op == "flush":
+            wait = float(fields.get("timeout", 0.0))
         try:
             with self._lock:
+                if self._lost is not None:
+                    raise errors.AgentLostError(self._lost)
                 while self._unpins:
                     protocol.send(self._sock, {"op": "unpin", "lease": self._unpins.pop()})
+                    self._await_reply("unpin", 0.0)
                     protocol.recv(self._sock)
                 protocol.send(self._sock, dict(fields, op=op))
+                self._await_reply(op, wait)
                 reply, _ = protocol.recv(self._sock)
+        except errors.AgentLostError:
+            raise
         except OSError as e:  # ConnectionError included
-            raise errors.AgentLostError(
-                f"lost the node agent (pid {self.agent_pid}) during {op!r}: {e}; checkpoints "
-                "it had committed to the store are safe; call nebulite.init() to attach to a "
-                "new agent") from e
+            self._lose(f"lost the node agent (pid {self.agent_pid}) during {op!r}: {e}; "
+                       "checkpoints it had committed to the store are safe; call "
+                       "nebulite.init() to attach to a new agent")
+            raise errors.AgentLostError(self._lost) from e
         _raise_if_error(reply)
         return reply
+
+    def _await_reply(self, op: str, wait: float) -> None:
+        """Returns once the reply to `op` starts arriving. The agent has `wait` seconds
+        plus the timeout to answer; past the timeout it counts as lost at once if it is
+        stopped (SIGSTOP, a debugger) or gone. Lost: raises AgentLostError, and the
+        connection is closed (the stream cannot be resynchronised)."""
+        start = time.monotonic()
+        deadline = start + min(wait + self._timeout, _MAX_WAIT)
+        while True:
+            now = time.monotonic()
+            ready, _, _ = select.select([self._sock], [], [],
+                                        max(0.0, min(self._timeout, deadline - now)))
+            if ready:
+                return
+            state = _process_state(self.agent_pid)
+            if time.monotonic() >= deadline or state in ("T", "t", "Z", "X", None):
+                break
+        waited = time.monotonic() - start
+        what = {"T": "it is stopped (SIGSTOP, or suspended by job control)",
+                "t": "it is stopped by a debugger", "Z": "it has exited",
+                "X": "it has exited", None: "it has exited"}.get(
+                    state, "it may be stopped, or its node overloaded or swapping")
+        pid = self.agent_pid or "unknown"
+        self._lose(
+            f"the node agent (pid {pid}) has not answered {op!r} for {waited:.0f} s: {what}. "
+            f"Checkpoints it committed to the store are safe. Resume it (kill -CONT {pid}) or "
+            "end it and call nebulite.init() again; to go on without an agent, use "
+            "init(agent=False) or NEBULITE_AGENT=0, or let nebulite switch by itself with "
+            "init(agent_fallback=True) or NEBULITE_AGENT_FALLBACK=1; to wait longer, raise "
+            "agent_timeout (NEBULITE_AGENT_TIMEOUT)")
+        raise errors.AgentLostError(self._lost)
+
+    def _lose(self, why: str) -> None:
+        self._lost = why
+        self._sock.close()
 
     # -- what the API uses ----------------------------------------------------
 
@@ -304,7 +437,8 @@ class AgentEngine:
         return bool(self._call("must_persist", tag=tag, version=version)["value"])
 
     def commit(self, tag: str, version: str, seq: int, persist: bool) -> None:
-        fields = {"tag": tag, "version": version, "seq": seq, "persist": persist}
+        """Commits on this rank. `seq` is not sent: the agent numbers commits itself."""
+        fields = {"tag": tag, "version": version, "persist": persist}
         if self._jobs:  # after the seals it depends on; commit() does not wait for them
             self._submit(("call", "commit", fields))
         else:
@@ -369,10 +503,23 @@ class AgentEngine:
     def _detach(self) -> None:
         try:
             with self._lock:
-                protocol.send(self._sock, {"op": "bye"})
+                if self._lost is None:
+                    protocol.send(self._sock, {"op": "bye"})
         except OSError:
             pass
         self._sock.close()
+
+
+def _process_state(pid: int) -> str | None:
+    """The state letter of process `pid` (R, S, D, T, t, Z, ...): None if there is none.
+    The agent runs on this node (its socket is local), so /proc tells."""
+    if pid <= 0:
+        return "?"
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            return f.read().rsplit(b")", 1)[1].split()[0].decode()
+    except (OSError, IndexError):
+        return None if not os.path.exists(f"/proc/{pid}") else "?"
 
 
 def _raise_if_error(reply: dict[str, Any]) -> None:

@@ -1,4 +1,4 @@
-"""Wire format between trainers and the agent (version 2).
+"""Wire format between trainers and the agent (version 3).
 
 Every message is a 4-byte little-endian length followed by that many bytes of UTF-8
 JSON (an object). Requests carry ``op``; replies carry ``ok`` and either the result
@@ -16,7 +16,7 @@ import socket
 import struct
 from typing import Any
 
-VERSION = 2
+VERSION = 3  # 3: the agent numbers commits (commit carries no seq; its reply does)
 MAX_MESSAGE = 16 << 20
 _LEN = struct.Struct("<I")
 

@@ -31,6 +31,9 @@ from . import protocol
 log = logging.getLogger("nebulite.agent")
 
 
+#: The largest world size a trainer may announce (engines keep per-rank state).
+MAX_WORLD_SIZE = 1 << 20
+
 _RUN_ID = re.compile(r"^[0-9a-zA-Z]{1,64}$")
 
 
@@ -38,21 +41,26 @@ class _Connection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
         self.engine: Any = None
+        self.key: tuple[int, int] | None = None  # the engine's (rank, world size)
         self.rank = 0
         self.run: str | None = None
         self.reserved: set[tuple[str, str, str]] = set()
         self.staged: set[tuple[str, str]] = set()  # versions this trainer put objects in
         self.committed: set[tuple[str, str]] = set()
-        self.leases: dict[int, Any] = {}
+        self.leases: dict[int, tuple[tuple[int, int], Any]] = {}  # id -> (engine key, lease)
         self.next_lease = 1
 
 
 class Agent:
     def __init__(self, socket_path: str, root: str, memory: int, retention: int,
                  commit_timeout: float, io_threads: int, idle_exit: float,
-                 prefault: bool = False, reserve_timeout: float = 600.0) -> None:
+                 prefault: bool = False, reserve_timeout: float = 600.0,
+                 file_mode: int = 0) -> None:
         self.socket_path = socket_path
         self.root = root
+        self.file_mode = file_mode  # of what it persists: the first trainer's file_mode
+        if root:
+            _core.set_file_mode(root, file_mode)
         self.retention = retention
         self.commit_timeout = commit_timeout
         self.reserve_timeout = reserve_timeout  # how long a save waits for memory
@@ -61,7 +69,12 @@ class Agent:
         # Memory is taken as saves need it (and reused), unless asked to pre-fault it all.
         self.arena = _core.Arena.create(memory or _core.default_memory_bytes(), prefault, True)
         self.engines: dict[tuple[int, int], Any] = {}
+        self.users: dict[tuple[int, int], int] = {}  # trainers attached to each engine
+        self.pinned: dict[tuple[int, int], int] = {}  # leases held on each engine's objects
         self.lock = threading.Lock()
+        # Commits are numbered here, one at a time (see _commit): the newest number given.
+        self.commit_lock = threading.Lock()
+        self.newest_seq = 0
         self.runs: dict[str, list[int]] = {}  # run id -> [lock fd, references]
         self.cleanups = 0  # detached trainers whose leftovers are still being removed
         self.clients = 0
@@ -80,14 +93,48 @@ class Agent:
         self.listener.settimeout(0.5)
 
     def engine_for(self, rank: int, world_size: int) -> Any:
+        """The engine of (rank, world size), counted as used until release_engine()."""
         with self.lock:
             key = (rank, world_size)
+            self.users[key] = self.users.get(key, 0) + 1
             if key not in self.engines:
                 self.engines[key] = _core.Engine.open(
                     self.root, rank=rank, world_size=world_size, arena=self.arena,
                     io_threads=self.io_threads, retention=self.retention,
-                    commit_timeout=self.commit_timeout, reserve_timeout=self.reserve_timeout)
+                    commit_timeout=self.commit_timeout, reserve_timeout=self.reserve_timeout,
+                    file_mode=self.file_mode)
             return self.engines[key]
+
+    def release_engine(self, key: tuple[int, int]) -> None:
+        with self.lock:
+            self.users[key] -= 1
+            if not self.users[key]:
+                del self.users[key]
+
+    def release_unused_engines(self) -> None:
+        """Closes the engines no trainer uses that hold nothing more to do: everything
+        committed is in the store (or given up), no version lives only in their memory,
+        and no trainer has one of their objects pinned. Their threads end and their
+        memory goes back to the arena; a later trainer of that rank gets a new engine."""
+        with self.lock:
+            unused = [(k, e) for k, e in self.engines.items()
+                      if not self.users.get(k) and not self.pinned.get(k)]
+        for key, e in unused:
+            try:
+                e.flush(0.01)  # raises while anything is still to be persisted
+            except errors.NebuliteError:
+                continue
+            if any(v["in_memory"] and not (v["store_committed"] or v["failed"])
+                   for v in e.versions()):
+                continue  # a trainer restarted on this node may want it from memory
+            with self.lock:
+                if self.users.get(key) or self.pinned.get(key) or self.engines.get(key) is not e:
+                    continue
+                del self.engines[key]
+            try:
+                e.close(self.commit_timeout)
+            except errors.NebuliteError as ex:
+                log.warning("closing the engine of rank %d of %d: %s", key[0], key[1], ex)
 
     def _idle(self) -> bool:
         with self.lock:
@@ -109,6 +156,7 @@ class Agent:
                 try:
                     conn, _ = self.listener.accept()
                 except socket.timeout:
+                    self.release_unused_engines()
                     continue
                 with self.lock:
                     self.clients += 1  # counted before idleness is judged again
@@ -133,20 +181,52 @@ class Agent:
             except errors.NebuliteError as ex:
                 log.warning("closing an engine: %s", ex)
 
-    def _pin_any_rank(self, engine: Any, tag: str, version: str, name: str) -> Any:
+    def _commit(self, engine: Any, tag: str, version: str, persist: bool) -> int:
+        """Commits a version on one rank under the number the agent gives it: the one
+        another rank's commit of that version already got, else one more than every number
+        this agent gave or holds and every number claimed in the store. Trainers send none
+        (a number from a client could be anything, up to the end of the range, and every
+        later commit would have to come after it); the store's coordinator claims its own,
+        at least this one, when the version is committed there."""
+        with self.commit_lock:
+            with self.lock:
+                engines = list(self.engines.values())
+            newest, seq = self.newest_seq, 0
+            for e in engines:
+                for v in e.versions():
+                    if v["tag"] == tag and v["version"] == version:
+                        seq = int(v["seq"])
+                    newest = max(newest, int(v["seq"]))
+            if not seq:
+                if self.root:
+                    try:
+                        newest = max(newest, int(_core.newest_claimed_seq(self.root)))
+                    except errors.NebuliteError as ex:
+                        log.warning("reading the store's commit numbers: %s", ex)
+                seq = newest + 1
+            engine.commit(tag, version, seq, persist)
+            self.newest_seq = max(self.newest_seq, seq)
+            return seq
+
+    def _pin_any_rank(self, engine: Any, tag: str, version: str,
+                      name: str) -> tuple[tuple[int, int], Any]:
         """Any local rank may load any object of a version: DeepSpeed saves the model on
         rank 0 and every rank loads it straight after commit(). Only committed versions
         are pinned (all that trainers load): an object still being staged would make the
-        pin wait for its writer, for ever if that is the trainer asking."""
+        pin wait for its writer, for ever if that is the trainer asking. Returns the key of
+        the engine holding it, and the lease, counted in `pinned` until unpinned."""
         with self.lock:
-            others = [e for e in self.engines.values() if e is not engine]
-        for e in (engine, *others):
+            engines = sorted(self.engines.items(), key=lambda ke: ke[1] is not engine)
+        for key, e in engines:
             if not any(v["tag"] == tag and v["version"] == version for v in e.versions()):
                 continue
             try:
-                return e.pin(tag, version, name)
+                lease = e.pin(tag, version, name)
             except errors.NotFoundError:
                 continue
+            with self.lock:
+                self.pinned[key] = self.pinned.get(key, 0) + 1
+            return key, lease
         raise errors.NotFoundError(
             f"{name!r} of version {version!r} of {tag!r} is not in memory, or not committed")
 
@@ -200,6 +280,9 @@ class Agent:
         finally:
             if c.run:
                 self._release_run(c.run)
+            if c.key is not None:
+                self.release_engine(c.key)
+            self.release_unused_engines()
             with self.lock:
                 self.cleanups -= 1
 
@@ -252,13 +335,25 @@ class Agent:
                 c.engine.abandon(tag, version)
             except errors.NebuliteError:
                 pass
-        c.leases.clear()
+        for lease_id in list(c.leases):
+            self._unpin(c, lease_id)
         c.sock.close()
         with self.lock:
             self.clients -= 1
             self.cleanups += 1
             self.last_detach = time.monotonic()
         threading.Thread(target=self._clean_up_after, args=(c,), daemon=True).start()
+
+    def _unpin(self, c: _Connection, lease_id: int) -> None:
+        held = c.leases.pop(lease_id, None)  # an unknown id is no one's: nothing to do
+        if held is None:
+            return
+        key, lease = held
+        del lease
+        with self.lock:
+            self.pinned[key] -= 1
+            if not self.pinned[key]:
+                del self.pinned[key]
 
     def _dispatch(self, c: _Connection, r: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         op = r.get("op")
@@ -269,7 +364,7 @@ class Agent:
                 if r.get("version") != protocol.VERSION:
                     raise errors.UnsupportedVersionError(f"protocol version {r.get('version')!r}")
                 rank, world = _int(r, "rank"), _int(r, "world_size")
-                if world < 1 or not 0 <= rank < world:
+                if not 1 <= world <= MAX_WORLD_SIZE or not 0 <= rank < world:
                     raise errors.InvalidArgumentError(f"rank {rank} outside world size {world}")
                 run = r.get("run")
                 if run is not None:
@@ -279,6 +374,7 @@ class Agent:
                         c.run = run
                         self._hold_run(run)
                 c.engine = self.engine_for(rank, world)
+                c.key = (rank, world)
                 c.rank = rank
                 return ({"ok": True, "capacity": self.arena.capacity, "pid": os.getpid()},
                         [self.arena.fd])
@@ -315,14 +411,17 @@ class Agent:
                 c.reserved.discard(key)
                 return {"ok": True}, []
             if op == "adopt":
-                e.adopt(_str(r, "tag"), _str(r, "version"), _str(r, "name"), _int(r, "size"),
-                        _int(r, "crc32"))
+                crc = _int(r, "crc32")
+                if crc >= 1 << 32:
+                    raise errors.InvalidArgumentError("crc32 must be a CRC-32 value")
+                e.adopt(_str(r, "tag"), _str(r, "version"), _str(r, "name"), _int(r, "size"), crc)
                 c.staged.add((_str(r, "tag"), _str(r, "version")))
                 return {"ok": True}, []
             if op == "commit":
-                e.commit(_str(r, "tag"), _str(r, "version"), _int(r, "seq"), bool(r.get("persist")))
-                c.committed.add((_str(r, "tag"), _str(r, "version")))
-                return {"ok": True}, []
+                tag, version = _str(r, "tag"), _str(r, "version")
+                seq = self._commit(e, tag, version, bool(r.get("persist")))
+                c.committed.add((tag, version))
+                return {"ok": True, "seq": seq}, []
             if op == "persist":
                 e.persist(_str(r, "tag"), _str(r, "version"))
                 return {"ok": True}, []
@@ -338,15 +437,16 @@ class Agent:
             if op == "versions":
                 return {"ok": True, "versions": list(e.versions())}, []
             if op == "pin":
-                lease = self._pin_any_rank(e, _str(r, "tag"), _str(r, "version"), _str(r, "name"))
+                key, lease = self._pin_any_rank(e, _str(r, "tag"), _str(r, "version"),
+                                                _str(r, "name"))
                 lease_id = c.next_lease
                 c.next_lease += 1
-                c.leases[lease_id] = lease
+                c.leases[lease_id] = (key, lease)
                 return {"ok": True, "lease": lease_id,
                         "offset": lease.address - self.arena.address,
                         "records": lease.records()}, []
             if op == "unpin":
-                c.leases.pop(_int(r, "lease"), None)
+                self._unpin(c, _int(r, "lease"))
                 return {"ok": True}, []
             if op == "take_errors":
                 return {"ok": True, "errors": e.take_errors()}, []
@@ -432,12 +532,14 @@ def main(argv: list[str] | None = None) -> int:
                         "('' = memory only)")
     p.add_argument("--socket", default=None,
                    help="socket to listen on (default: the one trainers of this node and "
-                        "root look for, in $NEBULITE_RUNTIME_DIR or /tmp/nebulite-<uid>)")
+                        "root look for, in their runtime directory: see client.runtime_dir())")
     p.add_argument("--memory", type=int, default=0, help="bytes of shared memory (0 = default)")
     p.add_argument("--retention", type=int, default=2)
     p.add_argument("--commit-timeout", type=float, default=600.0)
     p.add_argument("--io-threads", type=int, default=0)
     p.add_argument("--idle-exit", type=float, default=60.0)
+    p.add_argument("--file-mode", type=lambda text: int(text, 8), default=0,
+                   help="octal mode of the files it persists (0: 0666 less the umask)")
     p.add_argument("--prefault", action="store_true",
                    help="touch the whole memory budget at start instead of as saves need it")
     a = p.parse_args(argv)
@@ -447,7 +549,7 @@ def main(argv: list[str] | None = None) -> int:
 
     def make() -> Agent:
         return Agent(a.socket, a.root, a.memory, a.retention, a.commit_timeout, a.io_threads,
-                     a.idle_exit, a.prefault)
+                     a.idle_exit, a.prefault, file_mode=a.file_mode)
 
     if a.socket is not None:  # started by a trainer, which holds the start lock
         agent = make()

@@ -531,7 +531,9 @@ class PosixStorage final : public Storage {
       fd = ::open(full.c_str(), O_RDONLY | O_NONBLOCK | O_CLOEXEC);
     } else {
       NEBULITE_RETURN_IF_ERROR(MakeDirs(Full(ParentDir(path)), modes_));
-      fd = ::open(full.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_CLOEXEC, 0644);
+      // The owner's only: a shared lock taken by anyone who can read the file would keep
+      // the run it marks alive for ever (see commit/runs.cc).
+      fd = ::open(full.c_str(), O_RDWR | O_CREAT | O_NONBLOCK | O_CLOEXEC, 0600);
     }
     if (fd < 0) return ErrnoStatus(errno, "open lock", full);
     struct stat st;

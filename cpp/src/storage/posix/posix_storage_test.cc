@@ -252,5 +252,20 @@ TEST_F(PosixStorageTest, DeleteRecursivelyDoesNotFollowSymlinks) {
   EXPECT_TRUE(std::filesystem::exists(dir_ + "/outside/precious"));
 }
 
+// A lock file readable by others would let another user take a shared lock on it (and
+// so keep a dead run's leftovers from ever being removed): lock files are the owner's.
+TEST_F(PosixStorageTest, LockFilesAreCreatedForTheOwnerOnly) {
+  auto s = OpenPosixStorage(dir_ + "/root");
+  ASSERT_TRUE(s.ok());
+  const mode_t old = ::umask(0);
+  auto lock = (*s)->TryLock("locks/run", /*exclusive=*/false);
+  ::umask(old);
+  ASSERT_TRUE(lock.ok()) << lock.status().ToString();
+  ASSERT_NE(*lock, nullptr);
+  struct stat st;
+  ASSERT_EQ(::stat((dir_ + "/root/locks/run").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+}
+
 }  // namespace
 }  // namespace nebulite
