@@ -417,8 +417,8 @@ class Checkpoint:
                 s.engine.stage(self.tag, v.version, name, records.records, persist_now)
             except BaseException:
                 # A checkpoint missing an object is no checkpoint: the version goes, with
-                # the memory and files its earlier objects took, and the next save of the
-                # tag starts a new one.
+                # the memory and files its earlier objects took (else they would hold the
+                # budget for good), and the next save of the tag starts a new one.
                 s.engine.abandon(self.tag, v.version)
                 del s.open[self.tag]
                 raise
