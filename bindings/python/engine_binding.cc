@@ -59,6 +59,10 @@ nb::dict VersionToDict(const VersionInfo& v) {
   d["seq"] = v.seq;
   d["time_unix_ns"] = v.commit_unix_ns;
   d["in_memory"] = v.in_memory;
+  d["loadable"] = v.loadable;
+  nb::list streamed;
+  for (const ManifestFile& f : v.streamed) streamed.append(nb::make_tuple(f.name, f.size, f.crc32));
+  d["streamed"] = streamed;
   d["persist_requested"] = v.persist_requested;
   d["persisted"] = v.persisted;
   d["failed"] = v.failed;

@@ -435,7 +435,6 @@ class Checkpoint:
             if not s.coordinated:  # else raised by every rank at once, at the commit
                 s.raise_background_errors()
             v = s.open.get(self.tag)
-            created = v is None
             if v is None:
                 v = s.new_version(self.tag)
             if name in v.names:
@@ -455,9 +454,11 @@ class Checkpoint:
                                and not s.coordinated)
                 s.engine.stage(self.tag, v.version, name, records.records, persist_now)
             except BaseException:
-                if created:  # nothing of this version was staged: forget it
-                    s.engine.abandon(self.tag, v.version)
-                    del s.open[self.tag]
+                # A checkpoint missing an object is no checkpoint: the version goes, with
+                # the memory and files its earlier objects took (else they would hold the
+                # budget for good), and the next save of the tag starts a new one.
+                s.engine.abandon(self.tag, v.version)
+                del s.open[self.tag]
                 raise
             del records
             v.names.append(name)
@@ -559,6 +560,11 @@ class Checkpoint:
                     lease = None
                 if lease is not None:
                     return _load_from_lease(lease, c, name, map_location, weights_only)
+            streamed = {f[0]: f for f in c.get("streamed", [])}
+            if name in streamed and c.get("root"):
+                # Written straight to the store (too large for the memory left); durable
+                # there, though the version may not be committed in the store yet.
+                return _load_streamed(c, streamed[name], map_location, weights_only)
             # Not (or no longer) in this process's memory: try the store it belongs to.
             root = c.get("root")
             if not root:
@@ -592,6 +598,17 @@ def _load_from_lease(lease: Any, c: dict[str, Any], name: str, map_location: Any
         del lease
 
 
+def _load_streamed(c: dict[str, Any], file: Any, map_location: Any, weights_only: bool) -> Any:
+    """Loads an object of this rank that was streamed to the store, from its data file,
+    checked against the size and CRC-32 it was written with (there is no manifest to
+    read yet: the version may not be committed in the store)."""
+    name, size, crc = str(file[0]), int(file[1]), int(file[2])
+    rank = _session.rank if _session is not None else 0
+    rel = _core.data_file_path(c["tag"], c["version"], rank, name)
+    return _load_file(c["root"], rel, _read_verified(c["root"], rel, name, size, crc),
+                      map_location, weights_only)
+
+
 def _manifests(root: str, tag: str, version: str, world_size: int) -> list[dict[str, Any]]:
     return [_core.read_manifest(root, tag, version, r) for r in range(world_size)]
 
@@ -612,9 +629,16 @@ def _load_from_store(c: dict[str, Any], name: str, map_location: Any, weights_on
     root = c["root"]
     rank = _session.rank if _session is not None else 0
     rel, _ = _locate(root, c, name, rank)
-    path = os.path.join(root, rel)
     # Read and verified already when the handle was found (see _verify): no second read.
-    buffers = c.get("prefetched", {}).pop(name, None)
+    return _load_file(root, rel, c.get("prefetched", {}).pop(name, None), map_location,
+                      weights_only)
+
+
+def _load_file(root: str, rel: str, buffers: dict[str, Any] | None, map_location: Any,
+               weights_only: bool) -> Any:
+    """Loads data file `rel` of the store: from `buffers` (its records, read and verified
+    already) when given, else reading it."""
+    path = os.path.join(root, rel)
     try:
         if buffers is not None and not _maps_to_meta(map_location):
             # Every record is there: the file is not read again. (Meta tensors carry their
@@ -779,7 +803,8 @@ def _candidates(persist_path: str | os.PathLike[str] | None) -> list[dict[str, A
     memory_keys: dict[tuple[str, str], dict[str, Any]] = {}
     if s is not None and (root is None or root == s.root):
         for v in s.engine.versions():
-            if not v["in_memory"]:
+            # Loadable from memory, or partly from data files streamed to the store.
+            if not v.get("loadable", v["in_memory"]):
                 continue
             if v["failed"] and s.world_size > 1:
                 continue  # the other ranks' parts never made it: not loadable anywhere

@@ -109,6 +109,11 @@ struct VersionInfo {
   uint64_t seq = 0;            // the commit order: the store's once committed there
   int64_t commit_unix_ns = 0;  // wall time of Commit()
   bool in_memory = false;      // every object of this rank is loadable from the arena
+  // Every object of this rank is loadable: from the arena, or, streamed, from its data
+  // file at DataFilePath() (durable, though the version may not be committed in the
+  // store yet).
+  bool loadable = false;
+  std::vector<ManifestFile> streamed;  // the objects of this rank written straight to the store
   bool persist_requested = false;
   bool persisted = false;        // this rank's files and manifest are durable
   bool failed = false;           // persisting failed (see TakeErrors)

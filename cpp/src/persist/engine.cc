@@ -32,6 +32,7 @@ EngineCore::~EngineCore() = default;
 namespace {
 
 constexpr uint64_t kBlock = 4096;
+constexpr uint64_t kStreamWindow = 64ull << 20;  // see ReserveWindow()
 
 int64_t NowUnixNs() {
   return std::chrono::duration_cast<std::chrono::nanoseconds>(
@@ -217,10 +218,8 @@ class EngineImpl : public Engine {
   Status StreamObject(const std::shared_ptr<VersionState>& v, ObjectState* o,
                       const std::vector<SourceRecord>& records) {
     NEBULITE_RETURN_IF_ERROR(core_->persister->CheckNotCommittedInStore(v));
-    uint64_t window =
-        std::min<uint64_t>(64ull << 20, core_->arena->capacity() / 2 / kBlock * kBlock);
-    window = std::max<uint64_t>(window, kBlock);
-    NEBULITE_ASSIGN_OR_RETURN(ArenaBlock block, ReserveForImage(window));
+    NEBULITE_ASSIGN_OR_RETURN(ArenaBlock block, ReserveWindow());
+    const uint64_t window = block.size;
     struct Releaser {
       Arena* a;
       ArenaBlock b;
@@ -536,8 +535,13 @@ class EngineImpl : public Engine {
       i.seq = v->seq;
       i.commit_unix_ns = v->commit_unix_ns;
       i.in_memory = !v->evicted;
+      i.loadable = !v->evicted;
       for (auto& o : v->objects) {
         if (!o->in_memory) i.in_memory = false;
+        if (o->streamed)
+          i.streamed.push_back(o->file);
+        else if (!o->in_memory)
+          i.loadable = false;
         i.names.push_back(o->name);
       }
       i.persist_requested = v->persist_requested;
@@ -595,7 +599,24 @@ class EngineImpl : public Engine {
   }
 
  private:
-  Result<ArenaBlock> ReserveForImage(uint64_t size) {
+  // The window a streamed object goes through: kStreamWindow, or half the budget when
+  // that is less, or, when other objects hold the memory (earlier objects of the same
+  // checkpoint, say), the largest power-of-two fraction of it that is free now, down to
+  // one block. Only that last block waits for memory (as any reservation does).
+  Result<ArenaBlock> ReserveWindow() {
+    uint64_t size = std::min<uint64_t>(kStreamWindow, core_->arena->capacity() / 2);
+    size = std::max<uint64_t>(size / kBlock * kBlock, kBlock);
+    for (; size > kBlock; size = size / 2 / kBlock * kBlock) {
+      auto b = ReserveForImage(size, /*wait=*/false);
+      if (b.ok() || b.status().code() != StatusCode::kResourceExhausted) return b;
+    }
+    return ReserveForImage(kBlock);
+  }
+
+  // Reserves `size` bytes for an image, evicting what may leave memory. With `wait`, and
+  // while memory is on its way back (persisting, unpinning, copying), waits for it up to
+  // the reserve timeout; else fails with ResourceExhausted at once.
+  Result<ArenaBlock> ReserveForImage(uint64_t size, bool wait_for_memory = true) {
     Arena* arena = core_->arena.get();
     if (size > arena->capacity()) {
       return Status::ResourceExhausted("a data file of " + std::to_string(size) +
@@ -625,7 +646,7 @@ class EngineImpl : public Engine {
         for (auto& v : core_->versions.all())
           if (v->pins > 0 || (v->persist_requested && !v->persisted && !v->failed)) wait = true;
       }
-      if (!wait || Clock::now() >= deadline) {
+      if (!wait_for_memory || !wait || Clock::now() >= deadline) {
         return Status::ResourceExhausted(
             "the memory budget of " + std::to_string(arena->capacity()) + " bytes cannot hold " +
             std::to_string(size) + " more bytes (" + std::to_string(arena->used()) + " in use)");

@@ -117,6 +117,61 @@ TEST(EngineTest, WithoutAStoreAnOversizedStateIsAClearError) {
   EXPECT_NE(r.status().message().find("NEBULA_MEMORY_BUFFER_SIZE"), std::string::npos);
 }
 
+TEST(EngineTest, AnObjectThatFitsAloneButNotBesideEarlierOnesStreams) {
+  TempDir dir;
+  auto e = Engine::Open(Options(dir.path(), 8 << 20));
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  auto model = MakeObject({1000, 5 << 20}, 1), optimizer = MakeObject({1000, 5 << 20}, 2);
+  auto first = engine.Stage("t", "v1", "model", model.records);
+  ASSERT_TRUE(first.ok()) << first.status().ToString();
+  EXPECT_FALSE(first->streamed);
+  // Less than half the budget is left: the window shrinks to what is free.
+  auto second = engine.Stage("t", "v1", "optimizer", optimizer.records);
+  ASSERT_TRUE(second.ok()) << second.status().ToString();
+  EXPECT_TRUE(second->streamed);
+  ASSERT_TRUE(engine.Commit("t", "v1", 1, true).ok());
+  // Loadable once committed: the model from memory, the optimizer from its data file.
+  auto versions = engine.Versions();
+  ASSERT_EQ(versions.size(), 1u);
+  EXPECT_FALSE(versions[0].in_memory);
+  EXPECT_TRUE(versions[0].loadable);
+  ASSERT_EQ(versions[0].streamed.size(), 1u);
+  EXPECT_EQ(versions[0].streamed[0].name, "optimizer");
+  EXPECT_TRUE(VerifyDataFile(engine.storage(), DataFilePath("t", "v1", 0, "optimizer"),
+                             versions[0].streamed[0])
+                  .ok());
+  ExpectStored(engine.storage(), DataFilePath("t", "v1", 0, "optimizer"), optimizer);
+  EXPECT_TRUE(engine.Pin("t", "v1", "model").ok());
+  ASSERT_TRUE(engine.Flush(60).ok());
+  ExpectStored(engine.storage(), DataFilePath("t", "v1", 0, "model"), model);
+}
+
+TEST(EngineTest, WithNoMemoryLeftEvenForTheWindowStagingFailsAndGivesNothingAway) {
+  TempDir dir;
+  auto arena = Arena::Create(4 << 20, false);
+  ASSERT_TRUE(arena.ok());
+  std::shared_ptr<Arena> shared = std::move(arena).value();
+  auto o = Options(dir.path());
+  o.arena = shared;
+  o.reserve_timeout_seconds = 0;
+  auto e = Engine::Open(o);
+  ASSERT_TRUE(e.ok());
+  auto all = shared->TryReserve(shared->capacity());  // another engine of the node holds it
+  ASSERT_TRUE(all.ok());
+  auto obj = MakeObject({1000, 1 << 20}, 3);
+  auto r = (*e)->Stage("t", "v1", "model", obj.records);
+  ASSERT_FALSE(r.ok());
+  EXPECT_EQ(r.status().code(), StatusCode::kResourceExhausted);
+  EXPECT_TRUE((*e)->Versions().empty());
+  shared->Release(*all);
+  EXPECT_EQ(shared->used(), 0u);
+  ASSERT_TRUE((*e)->Stage("t", "v2", "model", obj.records).ok());
+  ASSERT_TRUE((*e)->Commit("t", "v2", 1, true).ok());
+  ASSERT_TRUE((*e)->Flush(60).ok());
+  ExpectStored((*e)->storage(), DataFilePath("t", "v2", 0, "model"), obj);
+}
+
 TEST(EngineTest, BackPressureRecyclesMemoryOfPersistedVersions) {
   TempDir dir;
   auto e = Engine::Open(Options(dir.path(), 8 << 20));
