@@ -502,7 +502,9 @@ class PosixStorage final : public Storage {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
     NEBULITE_RETURN_IF_ERROR(Writable());
     const std::string full = Full(path);
-    if (::unlink(full.c_str()) != 0 && errno != ENOENT) return ErrnoStatus(errno, "delete", full);
+    // ENOTDIR: a file stands where a parent directory would be, so `path` does not exist.
+    if (::unlink(full.c_str()) != 0 && errno != ENOENT && errno != ENOTDIR)
+      return ErrnoStatus(errno, "delete", full);
     return Status::OK();
   }
 
@@ -619,7 +621,7 @@ class PosixStorage final : public Storage {
   static Status RemoveTree(const std::string& full) {
     struct stat st;
     if (::lstat(full.c_str(), &st) != 0) {
-      if (errno == ENOENT) return Status::OK();
+      if (errno == ENOENT || errno == ENOTDIR) return Status::OK();  // (a parent is a file)
       return ErrnoStatus(errno, "stat", full);
     }
     if (!S_ISDIR(st.st_mode)) {

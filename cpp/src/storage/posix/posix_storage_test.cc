@@ -172,6 +172,16 @@ TEST_F(PosixStorageTest, AFileModeMustLetTheOwnerReadAndWrite) {
   EXPECT_FALSE(std::filesystem::exists(dir_ + "/store"));  // refused before creating anything
 }
 
+TEST_F(PosixStorageTest, DeletingUnderAFileDeletesNothing) {
+  auto s = OpenPosixStorage(dir_ + "/store", false);
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE((*s)->WriteFileAtomic("t", "not a directory").ok());
+  // A file stands where the directory would be: nothing of that name exists, nothing fails.
+  EXPECT_TRUE((*s)->DeleteRecursively("t/v").ok());
+  EXPECT_TRUE((*s)->Delete("t/v/f").ok());
+  EXPECT_EQ(Val((*s)->ReadFile("t", 100)), "not a directory");
+}
+
 TEST_F(PosixStorageTest, ReadOnlyStoreWritesNothing) {
   ASSERT_EQ(::mkdir((dir_ + "/ro").c_str(), 0755), 0);
   {
