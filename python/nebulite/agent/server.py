@@ -112,10 +112,10 @@ class Agent:
                 del self.users[key]
 
     def release_unused_engines(self) -> None:
-        """Closes the engines no trainer uses that hold nothing more to do: everything
-        committed is in the store (or given up), no version lives only in their memory,
-        and no trainer has one of their objects pinned. Their threads end and their
-        memory goes back to the arena; a later trainer of that rank gets a new engine."""
+        """Closes the engines no trainer uses that hold nothing more to do: nothing is left
+        to persist, no checkpoint is held in their memory (a trainer restarted on this node
+        loads the newest from there, persisted or not), and no trainer has one of their
+        objects pinned. Their threads end; a later trainer of that rank gets a new engine."""
         with self.lock:
             unused = [(k, e) for k, e in self.engines.items()
                       if not self.users.get(k) and not self.pinned.get(k)]
@@ -124,9 +124,8 @@ class Agent:
                 e.flush(0.01)  # raises while anything is still to be persisted
             except errors.NebuliteError:
                 continue
-            if any(v["in_memory"] and not (v["store_committed"] or v["failed"])
-                   for v in e.versions()):
-                continue  # a trainer restarted on this node may want it from memory
+            if any(v["in_memory"] and not v["failed"] for v in e.versions()):
+                continue  # a trainer restarted on this node loads it from memory
             with self.lock:
                 if self.users.get(key) or self.pinned.get(key) or self.engines.get(key) is not e:
                     continue
