@@ -1,7 +1,7 @@
 // Access to a store from Python: the catalog, manifests and data files (through a
 // read-only store, so that a process can read a store it cannot write), and the run locks
-// and dead-run clean-up (through a writable one). Every store is opened with the GIL held:
-// an error raised while it is released would crash the interpreter.
+// and dead-run clean-up and the writer lease (through a writable one). Every store is opened with
+// the GIL held: an error raised while it is released would crash the interpreter.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -18,6 +18,7 @@
 #include "nebulite/data_file_writer.h"
 #include "nebulite/engine.h"
 #include "nebulite/format.h"
+#include "nebulite/lease.h"
 #include "nebulite/runs.h"
 #include "nebulite/storage.h"
 #include "nebulite/stored_archive.h"
@@ -302,6 +303,59 @@ void RegisterStorage(nb::module_& m) {
              }
              ThrowIfError(st);
            });
+
+  // The writer lease (nebulite/lease.h): held by a job's rank 0 while it writes.
+  nb::class_<LeaseKeeper>(m, "LeaseKeeper")
+      .def("renew",
+           [](LeaseKeeper& k) {
+             Status st;
+             {
+               nb::gil_scoped_release release;
+               st = k.Renew();
+             }
+             ThrowIfError(st);
+           })
+      .def("check", [](LeaseKeeper& k) { ThrowIfError(k.status()); })
+      .def("take_warnings", [](LeaseKeeper& k) { return k.TakeWarnings(); })
+      .def("release", [](LeaseKeeper& k) {
+        nb::gil_scoped_release release;
+        k.Release();
+      });
+  m.def(
+      "acquire_lease",
+      [](const std::string& root, const std::string& run, const std::string& host, uint32_t pid,
+         uint32_t ttl_seconds, double renew_seconds) {
+        Storage* store = StoreFor(root, /*writable=*/true);
+        Result<std::unique_ptr<LeaseKeeper>> r = Status::Internal("unset");
+        {
+          nb::gil_scoped_release release;
+          r = LeaseKeeper::Acquire(store, Lease{run, host, pid, 0, ttl_seconds}, renew_seconds);
+        }
+        return ValueOrThrow(std::move(r));
+      },
+      nb::arg("root"), nb::arg("run"), nb::arg("host"), nb::arg("pid"), nb::arg("ttl_seconds"),
+      nb::arg("renew_seconds"));
+  m.def(
+      "check_lease",
+      [](const std::string& root, const std::string& run, const std::string& host) {
+        // Raises StoreInUseError when a live job other than `run` holds the store's lease;
+        // returns the warnings about an odd lease file.
+        Storage* store = StoreFor(root, /*writable=*/true);
+        Result<LeaseState> r = Status::Internal("unset");
+        const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                                std::chrono::system_clock::now().time_since_epoch())
+                                .count();
+        {
+          nb::gil_scoped_release release;
+          r = ReadLease(store, host, now);
+        }
+        LeaseState state = ValueOrThrow(std::move(r));
+        if (state.present && state.live && state.lease.run != run) {
+          ThrowIfError(StoreInUseError(store->Describe(), state.lease, now));
+        }
+        return state.warnings;
+      },
+      nb::arg("root"), nb::arg("run"), nb::arg("host"));
 }
 
 }  // namespace nebulite::python
