@@ -30,6 +30,7 @@ from .errors import (
     StorageFullError,
     StorageFullPersistError,
     StoragePermissionError,
+    StoreInUseError,
     UnsupportedVersionError,
 )
 
@@ -95,6 +96,7 @@ __all__ = [
     "StorageFullError",
     "StorageFullPersistError",
     "StoragePermissionError",
+    "StoreInUseError",
     "UnsupportedVersionError",
     "flush_persistence",
     "get_checkpoint",

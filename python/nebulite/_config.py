@@ -13,6 +13,22 @@ from .errors import InvalidArgumentError
 DEFAULT_RETENTION = 2
 
 
+def _parse_bool(name: str, value: Any) -> bool:
+    """A boolean option or environment variable, parsed strictly: True/False, or one of
+    1/0, true/false, yes/no (any case); anything else is an error, never a guess."""
+    if isinstance(value, bool):
+        return value
+    if isinstance(value, int) and value in (0, 1):
+        return bool(value)
+    if isinstance(value, str):
+        v = value.strip().lower()
+        if v in ("1", "true", "yes"):
+            return True
+        if v in ("0", "false", "no"):
+            return False
+    raise InvalidArgumentError(f"{name} must be a boolean (0/1, true/false, yes/no), got {value!r}")
+
+
 def _parse_number(name: str, value: Any, kind: type) -> Any:
     try:
         out = kind(value)
@@ -40,6 +56,10 @@ class Config:
     async_staging: bool = False
     agent: bool = True
     agent_idle_exit: float = 60.0
+    # Several jobs may write this store at once (no writer lease is taken or checked).
+    shared_store: bool = False
+    # How long a job's writer lease lives without renewal; renewed every sixth of it.
+    lease_ttl: float = 180.0
     rank: int | None = None
     world_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -106,6 +126,19 @@ class Config:
         if flag is None:
             flag = env.get("NEBULITE_ASYNC_STAGING", "0").lower() in ("1", "true", "yes", "on")
         c.async_staging = bool(flag)
+        shared = more.pop("shared_store", None)
+        if shared is None:
+            shared = env.get("NEBULITE_SHARED_STORE")
+            c.shared_store = False if shared is None else _parse_bool("NEBULITE_SHARED_STORE", shared)
+        else:
+            c.shared_store = _parse_bool("shared_store", shared)
+        ttl = more.pop("lease_ttl", None)
+        if ttl is None:
+            ttl = env.get("NEBULITE_LEASE_TTL")
+        if ttl is not None:
+            c.lease_ttl = _parse_number("lease_ttl", ttl, float)
+            if c.lease_ttl < 1:
+                raise InvalidArgumentError(f"lease_ttl must be at least 1 second, got {ttl!r}")
         if "commit_timeout" in more:
             c.commit_timeout = _parse_number("commit_timeout", more.pop("commit_timeout"), float)
         grace = more.pop("dead_run_grace", None)

@@ -159,7 +159,12 @@ Result<std::unique_ptr<LeaseKeeper>> LeaseKeeper::Acquire(Storage* storage, Leas
   }
   {
     std::lock_guard<std::mutex> lock(state->mu);
-    NEBULITE_RETURN_IF_ERROR(state->RenewLocked());
+    Status written = state->RenewLocked();
+    if (written.code() == StatusCode::kStoreInUse) return written;
+    if (!written.ok()) {  // e.g. a directory in the lease's place: write, warned, without
+      state->warnings.push_back("cannot write the writer lease " + std::string(kLeasePath) +
+                                " (this job writes without one): " + written.ToString());
+    }
     // Two jobs that both found the store free: the last writer holds it, and the other
     // learns it here (or, in a closer race, at its next renewal).
     Result<LeaseState> after =
