@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "nebulite/runs.h"
+#include "persist/background_thread.h"
 
 namespace nebulite {
 namespace {
@@ -96,26 +97,39 @@ Status StoreInUseError(const std::string& store, const Lease& holder, int64_t no
       "sharing with init(shared_store=True) or NEBULITE_SHARED_STORE=1 in every job");
 }
 
+// Two locks: `io_mu` serialises renewals (store I/O, which may hang on a sick store) and
+// guards `lock`; `mu` guards the rest, so that status() and Release() never wait for I/O.
 struct LeaseKeeper::State {
-  Storage* storage;
+  Storage* storage = nullptr;
   Lease me;
-  double renew_seconds;
-  std::mutex mu;
+  double renew_seconds = 0;
+  std::mutex io_mu;
+  std::unique_ptr<StoreLock> lock;  // GUARDED_BY(io_mu)
+  mutable std::mutex mu;
   std::condition_variable cv;
-  bool stopping = false;
-  Status lost;  // OK while held
-  std::unique_ptr<StoreLock> lock;
-  std::vector<std::string> warnings;
-  std::thread thread;
+  bool stopping = false;              // GUARDED_BY(mu)
+  Status lost;                        // GUARDED_BY(mu); OK while held
+  std::vector<std::string> warnings;  // GUARDED_BY(mu)
+  BackgroundThread thread;
 
-  // Call with mu held.
-  Status RenewLocked() {
-    if (!lost.ok()) return lost;
+  void Warn(std::string w) {
+    std::lock_guard<std::mutex> l(mu);
+    warnings.push_back(std::move(w));
+  }
+  Status Lost() const {
+    std::lock_guard<std::mutex> l(mu);
+    return lost;
+  }
+
+  // One renewal; call with io_mu held.
+  Status RenewIo() {
+    NEBULITE_RETURN_IF_ERROR(Lost());
     const int64_t now = WallNowNs();
     NEBULITE_ASSIGN_OR_RETURN(LeaseState state,
                               ReadLease(storage, me.host, now, /*lock_is_mine=*/lock != nullptr));
-    warnings.insert(warnings.end(), state.warnings.begin(), state.warnings.end());
+    for (std::string& w : state.warnings) Warn(std::move(w));
     if (state.present && state.lease.run != me.run && state.live) {
+      std::lock_guard<std::mutex> l(mu);
       lost = StoreInUseError(storage->Describe(), state.lease, now);
       return lost;
     }
@@ -126,6 +140,18 @@ struct LeaseKeeper::State {
     Lease mine = me;
     mine.renewed_unix_ns = now;
     return storage->WritePrivateFileAtomic(kLeasePath, EncodeLease(mine));
+  }
+
+  // Removes the lease if it still names this job; call with io_mu held.
+  void RemoveIfMine() {
+    Result<FileInfo> info = storage->Stat(kLeasePath);
+    if (!info.ok() || info->type != FileType::kFile) return;
+    Result<std::string> text = storage->ReadFile(kLeasePath, kMaxLeaseBytes);
+    if (!text.ok()) return;
+    Result<Lease> lease = DecodeLease(*text);
+    if (lease.ok() && lease->run == me.run && lease->pid == me.pid && lease->host == me.host) {
+      (void)storage->Delete(kLeasePath);
+    }
   }
 };
 
@@ -143,27 +169,26 @@ Result<std::unique_ptr<LeaseKeeper>> LeaseKeeper::Acquire(Storage* storage, Leas
   if (current.present && current.lease.run != me.run && current.live) {
     return StoreInUseError(storage->Describe(), current.lease, now);
   }
-  // The lock proves this job alive to the processes of this host (and, where locks are
-  // shared, of every host). Another process checking the lease holds it for an instant.
-  const bool ours = current.present && current.lease.run == me.run;
-  for (int attempt = 0; attempt < 200 && state->lock == nullptr; ++attempt) {
-    Result<std::unique_ptr<StoreLock>> lock = storage->TryLock(kLeaseLockPath, true);
-    if (!lock.ok()) {
-      state->warnings.push_back("cannot lock " + std::string(kLeaseLockPath) + ": " +
-                                lock.status().ToString());
-      break;
-    }
-    state->lock = std::move(lock).value();
-    if (state->lock == nullptr && ours) break;  // another process of this job holds it
-    if (state->lock == nullptr) std::this_thread::sleep_for(std::chrono::milliseconds(10));
-  }
   {
-    std::lock_guard<std::mutex> lock(state->mu);
-    Status written = state->RenewLocked();
+    std::lock_guard<std::mutex> io(state->io_mu);
+    // The lock proves this job alive to the processes of this host (and, where locks are
+    // shared, of every host). Another process checking the lease holds it for an instant.
+    const bool ours = current.present && current.lease.run == me.run;
+    for (int attempt = 0; attempt < 200 && state->lock == nullptr; ++attempt) {
+      Result<std::unique_ptr<StoreLock>> lock = storage->TryLock(kLeaseLockPath, true);
+      if (!lock.ok()) {
+        state->Warn("cannot lock " + std::string(kLeaseLockPath) + ": " + lock.status().ToString());
+        break;
+      }
+      state->lock = std::move(lock).value();
+      if (state->lock == nullptr && ours) break;  // another process of this job holds it
+      if (state->lock == nullptr) std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+    Status written = state->RenewIo();
     if (written.code() == StatusCode::kStoreInUse) return written;
     if (!written.ok()) {  // e.g. a directory in the lease's place: write, warned, without
-      state->warnings.push_back("cannot write the writer lease " + std::string(kLeasePath) +
-                                " (this job writes without one): " + written.ToString());
+      state->Warn("cannot write the writer lease " + std::string(kLeasePath) +
+                  " (this job writes without one): " + written.ToString());
     }
     // Two jobs that both found the store free: the last writer holds it, and the other
     // learns it here (or, in a closer race, at its next renewal).
@@ -174,15 +199,18 @@ Result<std::unique_ptr<LeaseKeeper>> LeaseKeeper::Acquire(Storage* storage, Leas
     }
   }
   State* s = state.get();
-  state->thread = std::thread([s] {
-    std::unique_lock<std::mutex> lock(s->mu);
+  state->thread.Start(state, [s] {
     const auto period = std::chrono::duration_cast<std::chrono::steady_clock::duration>(
         std::chrono::duration<double>(s->renew_seconds));
-    while (!s->stopping) {
-      if (s->cv.wait_for(lock, period, [s] { return s->stopping; })) break;
-      Status st = s->RenewLocked();
-      if (!st.ok() && s->lost.ok()) {
-        s->warnings.push_back("cannot renew the writer lease: " + st.ToString());
+    while (true) {
+      {
+        std::unique_lock<std::mutex> l(s->mu);
+        if (s->cv.wait_for(l, period, [s] { return s->stopping; })) return;
+      }
+      std::lock_guard<std::mutex> io(s->io_mu);
+      Status st = s->RenewIo();
+      if (!st.ok() && st.code() != StatusCode::kStoreInUse) {
+        s->Warn("cannot renew the writer lease: " + st.ToString());
       }
     }
   });
@@ -192,18 +220,18 @@ Result<std::unique_ptr<LeaseKeeper>> LeaseKeeper::Acquire(Storage* storage, Leas
 LeaseKeeper::~LeaseKeeper() { Release(); }
 
 Status LeaseKeeper::Renew() {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  if (state_->stopping) return Status::FailedPrecondition("the writer lease was released");
-  return state_->RenewLocked();
+  {
+    std::lock_guard<std::mutex> l(state_->mu);
+    if (state_->stopping) return Status::FailedPrecondition("the writer lease was released");
+  }
+  std::lock_guard<std::mutex> io(state_->io_mu);
+  return state_->RenewIo();
 }
 
-Status LeaseKeeper::status() const {
-  std::lock_guard<std::mutex> lock(state_->mu);
-  return state_->lost;
-}
+Status LeaseKeeper::status() const { return state_->Lost(); }
 
 std::vector<std::string> LeaseKeeper::TakeWarnings() {
-  std::lock_guard<std::mutex> lock(state_->mu);
+  std::lock_guard<std::mutex> l(state_->mu);
   std::vector<std::string> out;
   out.swap(state_->warnings);
   return out;
@@ -211,28 +239,16 @@ std::vector<std::string> LeaseKeeper::TakeWarnings() {
 
 void LeaseKeeper::Release() {
   {
-    std::lock_guard<std::mutex> lock(state_->mu);
+    std::lock_guard<std::mutex> l(state_->mu);
     if (state_->stopping) return;
     state_->stopping = true;
   }
   state_->cv.notify_all();
-  if (state_->thread.joinable()) state_->thread.join();
-  std::lock_guard<std::mutex> lock(state_->mu);
-  if (state_->lost.ok()) {
-    // Only this job's own lease is removed; a lease another job wrote since stays.
-    Result<std::string> text = Status::NotFound("");
-    Result<FileInfo> info = state_->storage->Stat(kLeasePath);
-    if (info.ok() && info->type == FileType::kFile) {
-      text = state_->storage->ReadFile(kLeasePath, kMaxLeaseBytes);
-    }
-    if (text.ok()) {
-      Result<Lease> lease = DecodeLease(*text);
-      if (lease.ok() && lease->run == state_->me.run && lease->pid == state_->me.pid &&
-          lease->host == state_->me.host) {
-        (void)state_->storage->Delete(kLeasePath);
-      }
-    }
-  }
+  // A renewal stuck on a hung store is left to finish alone (it holds the state alive).
+  if (!state_->thread.JoinUntil(DeadlineAfter(10))) return;
+  std::unique_lock<std::mutex> io(state_->io_mu, std::try_to_lock);
+  if (!io.owns_lock()) return;
+  if (state_->Lost().ok()) state_->RemoveIfMine();
   state_->lock.reset();
 }
 
