@@ -135,11 +135,16 @@ def test_jobs_that_opt_into_sharing_both_write(store, agent, request):
     assert sorted(c["tag"] for c in nebulite.list_checkpoints(persist_path=store)) == ["a1", "b1"]
 
 
-def test_a_job_restarted_after_a_crash_on_the_same_node_takes_over(store):
-    first = _Holder(store, "dict(agent=False)")
+@pytest.mark.parametrize("agent", [False, True], ids=["embedded", "agent"])
+def test_a_job_restarted_after_a_crash_on_the_same_node_takes_over(store, agent, request):
+    env = {}
+    if agent:  # the node agent outlives the trainer; it never holds the lease
+        env["NEBULITE_RUNTIME_DIR"] = str(request.getfixturevalue("agent_env"))
+    first = _Holder(store, f"dict(agent={agent})", **env)
     first.kill()  # its lease stays, just renewed, but its process (and lock) is gone
     assert os.path.exists(os.path.join(store, ".nebulite", "lease"))
-    assert _second(store, "dict(agent=False)") == "WROTE b1"
+    assert _second(store, f"dict(agent={agent})", **env) == "WROTE b1"
+    assert sorted(c["tag"] for c in nebulite.list_checkpoints(persist_path=store)) == ["a1", "b1"]
 
 
 def test_a_lease_of_another_host_lives_until_its_ttl(store):

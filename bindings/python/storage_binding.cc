@@ -335,27 +335,6 @@ void RegisterStorage(nb::module_& m) {
       },
       nb::arg("root"), nb::arg("run"), nb::arg("host"), nb::arg("pid"), nb::arg("ttl_seconds"),
       nb::arg("renew_seconds"));
-  m.def(
-      "check_lease",
-      [](const std::string& root, const std::string& run, const std::string& host) {
-        // Raises StoreInUseError when a live job other than `run` holds the store's lease;
-        // returns the warnings about an odd lease file.
-        Storage* store = StoreFor(root, /*writable=*/true);
-        Result<LeaseState> r = Status::Internal("unset");
-        const int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
-                                std::chrono::system_clock::now().time_since_epoch())
-                                .count();
-        {
-          nb::gil_scoped_release release;
-          r = ReadLease(store, host, now);
-        }
-        LeaseState state = ValueOrThrow(std::move(r));
-        if (state.present && state.live && state.lease.run != run) {
-          ThrowIfError(StoreInUseError(store->Describe(), state.lease, now));
-        }
-        return state.warnings;
-      },
-      nb::arg("root"), nb::arg("run"), nb::arg("host"));
 }
 
 }  // namespace nebulite::python

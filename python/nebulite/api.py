@@ -67,20 +67,30 @@ def _hold_run_lock(root: str, run_id: str) -> Any:
         time.sleep(0.01)  # a clean-up is deciding about this run id right now
 
 
-def _take_writer_lease(root: str, run_id: str, rank: int, ttl: float) -> Any:
+def _take_writer_lease(root: str, run_id: str, rank: int, ttl: float, coordinated: bool) -> Any:
     """Refuses to write a store another live job writes (StoreInUseError naming it; see
     nebulite/lease.h). Rank 0 takes the store's writer lease for the job and renews it on a
-    C++ thread until the session closes; the other ranks, which share its run id, only
-    check that no other job holds it."""
-    host = os.uname().nodename
-    if rank != 0:
-        problems = _core.check_lease(root, run_id, host)
-        keeper = None
-    else:
-        keeper = _core.acquire_lease(root, run_id, host, os.getpid(), max(1, round(ttl)), ttl / 6)
-        problems = keeper.take_warnings()
-    for p in problems:
-        warnings.warn(f"nebulite: {p}", stacklevel=5)
+    C++ thread until the session closes; the other ranks share its run id and its decision
+    (coordinated ranks learn it in one collective; a rank looking at the lease by itself
+    could see the previous holder's lease while rank 0 takes it over)."""
+    keeper, refused = None, None
+    if rank == 0:
+        try:
+            keeper = _core.acquire_lease(root, run_id, os.uname().nodename, os.getpid(),
+                                         max(1, round(ttl)), ttl / 6)
+        except StoreInUseError as e:
+            refused = str(e)
+            if not coordinated:
+                raise
+    if coordinated:
+        decision = _dist.all_gather(refused)[0]
+        if decision is not None:
+            if keeper is not None:
+                keeper.release()
+            raise StoreInUseError(str(decision))
+    if keeper is not None:
+        for p in keeper.take_warnings():
+            warnings.warn(f"nebulite: {p}", stacklevel=5)
     return keeper
 
 
@@ -128,7 +138,7 @@ class _Session:
         self._lease: Any = None
         if config.persistent_storage_path and not config.shared_store:
             self._lease = _take_writer_lease(config.persistent_storage_path, self.run_id,
-                                             self.rank, config.lease_ttl)
+                                             self.rank, config.lease_ttl, self.coordinated)
         try:
             if config.agent:
                 from .agent import client

@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <thread>
 
 #include "base/test_util.h"
 
@@ -144,6 +145,21 @@ TEST(LeaseTest, RenewalMovesTheRenewalTime) {
   ASSERT_TRUE(keeper->Renew().ok());
   Lease after = Val(DecodeLease(Val(s->ReadFile(kLeasePath, 4096))));
   EXPECT_GE(after.renewed_unix_ns, before.renewed_unix_ns);
+}
+
+TEST(LeaseTest, TheKeeperRenewsOnItsOwnWhileTheJobLives) {
+  auto s = NewMemoryStorage();
+  auto keeper = Val(LeaseKeeper::Acquire(s.get(), Job("jobA", "hostA"), 0.001));
+  Lease old = Val(DecodeLease(Val(s->ReadFile(kLeasePath, 4096))));
+  old.renewed_unix_ns = 1;  // as if its last renewal were long ago
+  ASSERT_TRUE(s->WriteFileAtomic(kLeasePath, EncodeLease(old)).ok());
+  const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(60);
+  while (Val(DecodeLease(Val(s->ReadFile(kLeasePath, 4096)))).renewed_unix_ns == 1) {
+    ASSERT_LT(std::chrono::steady_clock::now(), deadline) << "never renewed";
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  keeper->Release();
+  EXPECT_FALSE(Val(s->Exists(kLeasePath)));
 }
 
 }  // namespace
