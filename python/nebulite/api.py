@@ -74,7 +74,9 @@ def _take_writer_lease(root: str, run_id: str, rank: int, ttl: float, coordinate
     (coordinated ranks learn it in one collective; a rank looking at the lease by itself
     could see the previous holder's lease while rank 0 takes it over)."""
     keeper, refused = None, None
-    if rank == 0:
+    # The job's rank 0 decides: with torch.distributed up, its global rank 0, also for a
+    # single-rank session (Lightning's DDP opens one on every rank, saving on rank 0 only).
+    if (_dist.rank_and_world()[0] if _dist.initialized() else rank) == 0:
         try:
             keeper = _core.acquire_lease(root, run_id, os.uname().nodename, os.getpid(),
                                          max(1, round(ttl)), ttl / 6)
@@ -332,7 +334,11 @@ def init(
             ``$NEBULITE_DEAD_RUN_GRACE``, else an hour: how long an uncommitted version of a
             run that died stays untouched before it is removed), ``rank``, ``world_size``,
             ``async_staging`` (default ``$NEBULITE_ASYNC_STAGING``, else False: copy
-            parameters and optimizer state after save() returns; see nebulite._staging).
+            parameters and optimizer state after save() returns; see nebulite._staging),
+            ``shared_store`` (default ``$NEBULITE_SHARED_STORE``, else False: let several jobs
+            write the persistent path at once; otherwise a second job is refused with
+            StoreInUseError), ``lease_ttl`` (seconds, default ``$NEBULITE_LEASE_TTL``, else
+            180: how long the job's writer lease of the path lives without renewal).
 
     Calling init() again drains the previous configuration's pending work first.
     """
