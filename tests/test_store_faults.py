@@ -243,6 +243,12 @@ def _replace(path: str, make) -> None:
     make(path)
 
 
+def _link_from_outside(store: str, outside: str, tag: str) -> None:
+    """Moves a committed tag out of the store and links it back in under its name."""
+    os.rename(os.path.join(store, tag), os.path.join(outside, tag))
+    os.symlink(os.path.join(outside, tag), os.path.join(store, tag))
+
+
 # name -> (how to make it, the checkpoint found before init, text naming it in a warning,
 # whether it needs permissions to bite)
 _ODD_ENTRIES = {
@@ -279,6 +285,8 @@ _ODD_ENTRIES = {
                       os.utime(os.path.join(o, "vdead-000001"), (1, 1)),
                       os.symlink(o, os.path.join(s, "linked"))),
         "step2", "linked", False),
+    "committed tag linked in from outside the store": (
+        lambda s, o: _link_from_outside(s, o, "step1"), "step2", None, False),
     "unreadable COMMITTED": (
         lambda s, o: os.chmod(os.path.join(_version_dir(s, "step2"), "COMMITTED"), 0),
         "step1", "COMMITTED", True),
@@ -333,3 +341,4 @@ def test_an_odd_entry_is_skipped_and_the_rest_of_the_store_works(tmp_path, odd):
     # Nothing outside the store, and nothing that is not nebulite's, was touched.
     assert {os.path.join(d, n) for d, ds, fs in os.walk(outside) for n in ds + fs} == before
     assert os.path.lexists(os.path.join(store, "foreign")) or odd != "unreadable foreign directory"
+    assert os.path.islink(os.path.join(store, "step1")) or "linked in" not in odd
