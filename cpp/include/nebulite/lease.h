@@ -3,7 +3,7 @@
 // Two jobs writing one store delete each other's checkpoints (each one's retention counts
 // only what it sees) and interleave their commits. A job that writes holds the store's
 // lease: `.nebulite/lease`, a small record naming its run, host and process and when it
-// last renewed it, rewritten atomically (0600) every few seconds while the job lives.
+// last renewed it, rewritten atomically (0600) periodically while the job lives.
 // Beside it, `.nebulite/lease.lock` is locked (flock, exclusive) by the holding process.
 //
 // Another run's lease is live (the store is in use) when:
