@@ -154,9 +154,11 @@ def test_the_agent_commits_after_the_trainer_is_killed(agent_env, store):
 
 
 def test_one_agent_for_many_trainers_starting_at_once(agent_env, store):
+    # Eight independent jobs (eight run ids) on one store at once: they opt into sharing it.
     code = f"""
         import json, nebulite
-        nebulite.init(persistent_storage_path={store!r}, agent=True, memory_buffer_size=64 << 20)
+        nebulite.init(persistent_storage_path={store!r}, agent=True, memory_buffer_size=64 << 20,
+                      shared_store=True)
         print(json.dumps(nebulite.api._session.engine.agent_pid))
     """
     procs = [subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)],

@@ -570,8 +570,9 @@ def test_init_removes_only_dead_runs_uncommitted_versions(store, monkeypatch, tm
             f.write(b"partial")
     # Another process opening the same store (an evaluation job, say). A free lock alone
     # proves nothing (locks may be node-local): a version that changed within the grace
-    # period (an hour by default) is kept.
-    env = dict(os.environ, NEBULITE_RUN_ID="other2")
+    # period (an hour by default) is kept. It is a second job writing the store while this
+    # one lives: it opts into sharing the store (else it is refused, see test_store_lease.py).
+    env = dict(os.environ, NEBULITE_RUN_ID="other2", NEBULITE_SHARED_STORE="1")
     code = f"import nebulite; nebulite.init(persistent_storage_path={store!r})"
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
     assert os.path.exists(live), "a live run's version in progress was deleted"

@@ -317,3 +317,25 @@ def test_each_rank_reads_only_its_own_share_at_resume(store):
     for r in results:
         assert r["own"] > 8 << 20
         assert r["read"] < 1.2 * r["own"], r
+
+
+def test_every_rank_of_a_second_job_is_refused_together(store):
+    """The ranks of a job share rank 0's decision about the store's writer lease: all raise
+    StoreInUseError naming the job that writes the store, none waits in a collective; the
+    ranks of the job holding it never refuse each other."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, nebulite; nebulite.init(persistent_storage_path="
+         "sys.argv[1], agent=False); print(nebulite.session_info()['run_id'], flush=True); "
+         "sys.stdin.readline()", store],
+        env=_child_env(), stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        run_id = holder.stdout.readline().strip()
+        assert run_id
+        results = _run_ranks("init_only", store, 2)
+    finally:
+        holder.communicate("\n", timeout=TIMEOUT)
+    for r in results:
+        assert r["raised"] and r["raised"].startswith("StoreInUseError"), r
+        assert f"run {run_id}" in r["raised"], r
+    assert [r["raised"] for r in _run_ranks("init_only", store, 2)] == [None, None]
+

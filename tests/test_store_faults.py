@@ -228,3 +228,117 @@ def test_a_reused_run_id_never_overwrites_committed_files(store, monkeypatch):
     assert nebulite.get_latest_checkpoint(persist_path=store).load("model")["step"] == 102
     versions = [e["version"] for e in _core.read_catalog(store)[0]]
     assert len(versions) == len(set(versions)) == 4
+
+
+# -- odd entries left by other tools and people ------------------------------------------------
+
+
+def _version_dir(store: str, tag: str) -> str:
+    return os.path.join(store, tag, next(e for e in _core.read_catalog(store)[0]
+                                         if e["tag"] == tag)["version"])
+
+
+def _replace(path: str, make) -> None:
+    os.remove(path)
+    make(path)
+
+
+def _link_from_outside(store: str, outside: str, tag: str) -> None:
+    """Moves a committed tag out of the store and links it back in under its name."""
+    os.rename(os.path.join(store, tag), os.path.join(outside, tag))
+    os.symlink(os.path.join(outside, tag), os.path.join(store, tag))
+
+
+# name -> (how to make it, the checkpoint found before init, text naming it in a warning,
+# whether it needs permissions to bite)
+_ODD_ENTRIES = {
+    "directory named COMMITTED": (
+        lambda s, o: os.makedirs(os.path.join(s, "step5", "vzz-000001", "COMMITTED")),
+        "step2", "step5/vzz-000001/COMMITTED", False),
+    "FIFO named COMMITTED": (
+        lambda s, o: (os.makedirs(os.path.join(s, "step5", "vzz-000001")),
+                      os.mkfifo(os.path.join(s, "step5", "vzz-000001", "COMMITTED"))),
+        "step2", "step5/vzz-000001/COMMITTED", False),
+    "data file that is a directory": (
+        lambda s, o: _replace(os.path.join(_version_dir(s, "step2"), "rank0", "model"), os.mkdir),
+        "step1", "rank0/model", False),
+    "data file that is a FIFO": (
+        lambda s, o: _replace(os.path.join(_version_dir(s, "step2"), "rank0", "model"), os.mkfifo),
+        "step1", "rank0/model", False),
+    "manifest that is a FIFO": (
+        lambda s, o: _replace(os.path.join(_version_dir(s, "step2"), "rank0.manifest"), os.mkfifo),
+        "step1", "rank0.manifest", False),
+    "FIFO among the commit number claims": (
+        lambda s, o: os.mkfifo(os.path.join(s, ".nebulite", "seq", "%020d" % 99)),
+        "step2", None, False),
+    "history CSV that is a FIFO": (
+        lambda s, o: _replace(os.path.join(s, "checkpointHistories.csv"), os.mkfifo),
+        "step2", None, False),
+    "symlink loop in the root": (
+        lambda s, o: os.symlink("loopy", os.path.join(s, "loopy")),
+        "step2", "loopy", False),
+    "symlink loop as a version directory": (
+        lambda s, o: os.symlink("vzz-000001", os.path.join(s, "step2", "vzz-000001")),
+        "step2", "step2/vzz-000001", False),
+    "symlink out of the store holding a dead run's version": (
+        lambda s, o: (os.makedirs(os.path.join(o, "vdead-000001")),
+                      os.utime(os.path.join(o, "vdead-000001"), (1, 1)),
+                      os.symlink(o, os.path.join(s, "linked"))),
+        "step2", "linked", False),
+    "committed tag linked in from outside the store": (
+        lambda s, o: _link_from_outside(s, o, "step1"), "step2", None, False),
+    "unreadable COMMITTED": (
+        lambda s, o: os.chmod(os.path.join(_version_dir(s, "step2"), "COMMITTED"), 0),
+        "step1", "COMMITTED", True),
+    "unreadable tag directory": (
+        lambda s, o: os.chmod(os.path.join(s, "step2"), 0), "step1", "'step2'", True),
+    "unreadable foreign directory": (
+        lambda s, o: os.mkdir(os.path.join(s, "foreign"), 0), "step2", "'foreign'", True),
+}
+
+
+@pytest.mark.parametrize("odd", list(_ODD_ENTRIES))
+def test_an_odd_entry_is_skipped_and_the_rest_of_the_store_works(tmp_path, odd):
+    make, latest, named, needs_permissions = _ODD_ENTRIES[odd]
+    if needs_permissions and os.geteuid() == 0 and not _unprivileged():
+        pytest.skip("running as root without setpriv: file permissions cannot bite")
+    store, outside = str(tmp_path / "ckpt"), str(tmp_path / "outside")
+    os.makedirs(outside)
+    with open(os.path.join(outside, "precious"), "w") as f:
+        f.write("not nebulite's")
+    _saved_store(store)
+    make(store, outside)
+    before = {os.path.join(d, n) for d, ds, fs in os.walk(outside) for n in ds + fs}
+    try:
+        # In a process of its own with a deadline (_run_python): a FIFO opened the blocking
+        # way would hang it, and fails the test instead of the suite.
+        out = _run_python("""
+            import sys, warnings, torch, nebulite
+            warnings.simplefilter("always")
+            store = sys.argv[1]
+            with warnings.catch_warnings(record=True) as w:
+                warnings.simplefilter("always")
+                ck = nebulite.get_latest_checkpoint(persist_path=store)
+                print(ck.tag, ck.load("model")["step"])
+                nebulite.list_checkpoints(persist_path=store)
+                nebulite.init(persistent_storage_path=store, agent=False,
+                              num_of_version_in_retention=1, dead_run_grace=0)
+                for step in (3, 4):
+                    nebulite.Checkpoint(f"step{step}").save("model", {"w": torch.ones(2), "step": step})
+                    nebulite.flush_persistence()
+                ck = nebulite.get_latest_checkpoint()
+                print(ck.tag, ck.load("model")["step"])
+            print(repr(" ".join(str(x.message) for x in w)))
+        """, store)
+    finally:
+        subprocess.run(["chmod", "-R", "u+rwx", str(tmp_path)], check=False)
+    assert out.returncode == 0, out.stderr[-3000:]
+    lines = out.stdout.splitlines()
+    assert lines[0] == f"{latest} {latest[-1]}"  # older intact checkpoints are found, loaded
+    assert lines[1] == "step4 4"
+    if named is not None:
+        assert named in lines[2] + out.stderr, lines[2]  # the odd entry is named
+    # Nothing outside the store, and nothing that is not nebulite's, was touched.
+    assert {os.path.join(d, n) for d, ds, fs in os.walk(outside) for n in ds + fs} == before
+    assert os.path.lexists(os.path.join(store, "foreign")) or odd != "unreadable foreign directory"
+    assert os.path.islink(os.path.join(store, "step1")) or "linked in" not in odd

@@ -27,6 +27,8 @@ const char* ExceptionName(StatusCode code) {
       return "StoragePermissionError";
     case StatusCode::kIOError:
       return "StorageError";
+    case StatusCode::kStoreInUse:
+      return "StoreInUseError";
     default:
       return "NebuliteError";
   }

@@ -1,7 +1,7 @@
 // Access to a store from Python: the catalog, manifests and data files (through a
 // read-only store, so that a process can read a store it cannot write), and the run locks
-// and dead-run clean-up (through a writable one). Every store is opened with the GIL held:
-// an error raised while it is released would crash the interpreter.
+// and dead-run clean-up and the writer lease (through a writable one). Every store is opened with
+// the GIL held: an error raised while it is released would crash the interpreter.
 #include <nanobind/nanobind.h>
 #include <nanobind/stl/string.h>
 #include <nanobind/stl/tuple.h>
@@ -19,6 +19,7 @@
 #include "nebulite/data_file_writer.h"
 #include "nebulite/engine.h"
 #include "nebulite/format.h"
+#include "nebulite/lease.h"
 #include "nebulite/runs.h"
 #include "nebulite/storage.h"
 #include "nebulite/stored_archive.h"
@@ -325,6 +326,38 @@ void RegisterStorage(nb::module_& m) {
              }
              ThrowIfError(st);
            });
+
+  // The writer lease (nebulite/lease.h): held by a job's rank 0 while it writes.
+  nb::class_<LeaseKeeper>(m, "LeaseKeeper")
+      .def("renew",
+           [](LeaseKeeper& k) {
+             Status st;
+             {
+               nb::gil_scoped_release release;
+               st = k.Renew();
+             }
+             ThrowIfError(st);
+           })
+      .def("check", [](LeaseKeeper& k) { ThrowIfError(k.status()); })
+      .def("take_warnings", [](LeaseKeeper& k) { return k.TakeWarnings(); })
+      .def("release", [](LeaseKeeper& k) {
+        nb::gil_scoped_release release;
+        k.Release();
+      });
+  m.def(
+      "acquire_lease",
+      [](const std::string& root, const std::string& run, const std::string& host, uint32_t pid,
+         uint32_t ttl_seconds, double renew_seconds) {
+        Storage* store = StoreFor(root, /*writable=*/true);
+        Result<std::unique_ptr<LeaseKeeper>> r = Status::Internal("unset");
+        {
+          nb::gil_scoped_release release;
+          r = LeaseKeeper::Acquire(store, Lease{run, host, pid, 0, ttl_seconds}, renew_seconds);
+        }
+        return ValueOrThrow(std::move(r));
+      },
+      nb::arg("root"), nb::arg("run"), nb::arg("host"), nb::arg("pid"), nb::arg("ttl_seconds"),
+      nb::arg("renew_seconds"));
 }
 
 }  // namespace nebulite::python

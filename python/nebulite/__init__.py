@@ -31,6 +31,7 @@ from .errors import (
     StorageFullError,
     StorageFullPersistError,
     StoragePermissionError,
+    StoreInUseError,
     UnsupportedVersionError,
 )
 
@@ -97,6 +98,7 @@ __all__ = [
     "StorageFullError",
     "StorageFullPersistError",
     "StoragePermissionError",
+    "StoreInUseError",
     "UnsupportedVersionError",
     "flush_persistence",
     "get_checkpoint",

@@ -154,6 +154,10 @@ class Config:
     # AgentLostError (requests that wait by design get their own wait on top).
     agent_timeout: float = 60.0
     agent_fallback: bool = False  # on AgentLostError, go on with the embedded engine
+    # Several jobs may write this store at once (no writer lease is taken or checked).
+    shared_store: bool = False
+    # How long a job's writer lease lives without renewal; renewed every sixth of it.
+    lease_ttl: float = 180.0
     rank: int | None = None
     world_size: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -224,6 +228,14 @@ class Config:
         what, fallback = given("agent_fallback", "NEBULITE_AGENT_FALLBACK")
         if fallback is not None:
             c.agent_fallback = parse_bool(what, fallback)
+        what, shared = given("shared_store", "NEBULITE_SHARED_STORE")
+        if shared is not None:
+            c.shared_store = parse_bool(what, shared)
+        what, ttl = given("lease_ttl", "NEBULITE_LEASE_TTL")
+        if ttl is not None:
+            c.lease_ttl = parse_seconds(what, ttl, finite=True)
+            if c.lease_ttl < 1:
+                raise InvalidArgumentError(f"{what} must be at least 1 second, got {ttl!r}")
         for key in ("rank", "world_size"):
             what, value = given(key)
             if value is not None:

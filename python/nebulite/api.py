@@ -35,6 +35,7 @@ from .errors import (
     NotInitializedError,
     PersistError,
     StorageFullPersistError,
+    StoreInUseError,
 )
 
 log = logging.getLogger("nebulite")
@@ -66,6 +67,35 @@ def _hold_run_lock(root: str, run_id: str) -> Any:
         if lock is not None or time.monotonic() > deadline:
             return lock
         time.sleep(0.01)  # a clean-up is deciding about this run id right now
+
+
+def _take_writer_lease(root: str, run_id: str, rank: int, ttl: float, coordinated: bool) -> Any:
+    """Refuses to write a store another live job writes (StoreInUseError naming it; see
+    nebulite/lease.h). Rank 0 takes the store's writer lease for the job and renews it on a
+    C++ thread until the session closes; the other ranks share its run id and its decision
+    (coordinated ranks learn it in one collective; a rank looking at the lease by itself
+    could see the previous holder's lease while rank 0 takes it over)."""
+    keeper, refused = None, None
+    # The job's rank 0 decides: with torch.distributed up, its global rank 0, also for a
+    # single-rank session (Lightning's DDP opens one on every rank, saving on rank 0 only).
+    if (_dist.rank_and_world()[0] if _dist.initialized() else rank) == 0:
+        try:
+            keeper = _core.acquire_lease(root, run_id, os.uname().nodename, os.getpid(),
+                                         max(1, round(ttl)), ttl / 6)
+        except StoreInUseError as e:
+            refused = str(e)
+            if not coordinated:
+                raise
+    if coordinated:
+        decision = _dist.all_gather(refused)[0]
+        if decision is not None:
+            if keeper is not None:
+                keeper.release()
+            raise StoreInUseError(str(decision))
+    if keeper is not None:
+        for p in keeper.take_warnings():
+            warnings.warn(f"nebulite: {p}", stacklevel=5)
+    return keeper
 
 
 def _remove_dead_runs_versions(root: str, run_id: str, grace: float) -> None:
@@ -110,22 +140,31 @@ class _Session:
         self.run_id = run_id or (_dist.agree_on_run_id() if self.world_size > 1 else _dist.new_run_id())
         if config.persistent_storage_path:
             _core.set_file_mode(config.persistent_storage_path, config.file_mode)
-        if config.agent:
-            from .agent import client
+        # One job writes a store unless the jobs sharing it say so (shared_store).
+        self._lease: Any = None
+        if config.persistent_storage_path and not config.shared_store:
+            self._lease = _take_writer_lease(config.persistent_storage_path, self.run_id,
+                                             self.rank, config.lease_ttl, self.coordinated)
+        try:
+            if config.agent:
+                from .agent import client
 
-            try:
-                self.engine = client.attach(
-                    config.persistent_storage_path, config.memory_buffer_size,
-                    config.num_of_version_in_retention, config.commit_timeout,
-                    config.io_threads, config.agent_idle_exit, self.rank, self.world_size,
-                    config.prefault, self.run_id, config.agent_timeout, config.file_mode)
-            except AgentLostError as e:
-                if not config.agent_fallback:
-                    raise
-                self.engine = self._fall_back(e)
-        else:
-            self.engine = self._open_embedded(config)
-        self._finish_init()
+                try:
+                    self.engine = client.attach(
+                        config.persistent_storage_path, config.memory_buffer_size,
+                        config.num_of_version_in_retention, config.commit_timeout,
+                        config.io_threads, config.agent_idle_exit, self.rank, self.world_size,
+                        config.prefault, self.run_id, config.agent_timeout, config.file_mode)
+                except AgentLostError as e:
+                    if not config.agent_fallback:
+                        raise
+                    self.engine = self._fall_back(e)
+            else:
+                self.engine = self._open_embedded(config)
+            self._finish_init()
+        except BaseException:
+            self._release_lease()
+            raise
 
     def _fall_back(self, why: AgentLostError) -> Any:
         """The embedded engine, in place of an agent that stopped answering (agent_fallback)."""
@@ -223,13 +262,31 @@ class _Session:
 
     def close(self) -> None:
         """Drains pending persistence (for at most the commit timeout), then lets the
-        run's lock go."""
+        run's lock and the store's writer lease go."""
         try:
             self.engine.close(self.config.commit_timeout)
         finally:
             if self._run_lock is not None:
                 self._run_lock.release()
                 self._run_lock = None
+            self._release_lease()
+
+    def _release_lease(self) -> None:
+        if self._lease is not None:
+            self._lease.release()
+            self._lease = None
+
+    def lease_lost(self) -> StoreInUseError | None:
+        """The error naming the job that took this job's writer lease (None while held)."""
+        if self._lease is None:
+            return None
+        for p in self._lease.take_warnings():
+            log.warning("nebulite: %s", p)
+        try:
+            self._lease.check()
+        except StoreInUseError as e:
+            return e
+        return None
 
     def wait_staged(self) -> None:
         """Blocks until deferred copies have landed, then lets their sources go."""
@@ -309,7 +366,11 @@ def init(
             ``$NEBULITE_DEAD_RUN_GRACE``, else an hour: how long an uncommitted version of a
             run that died stays untouched before it is removed), ``rank``, ``world_size``,
             ``async_staging`` (default ``$NEBULITE_ASYNC_STAGING``, else False: copy
-            parameters and optimizer state after save() returns; see nebulite._staging).
+            parameters and optimizer state after save() returns; see nebulite._staging),
+            ``shared_store`` (default ``$NEBULITE_SHARED_STORE``, else False: let several jobs
+            write the persistent path at once; otherwise a second job is refused with
+            StoreInUseError), ``lease_ttl`` (seconds, default ``$NEBULITE_LEASE_TTL``, else
+            180: how long the job's writer lease of the path lives without renewal).
 
     Calling init() again drains the previous configuration's pending work first.
     """
@@ -499,13 +560,19 @@ class Checkpoint:
             if s.root:
                 s.seq = max(s.seq, _newest_claimed_seq(s.root))
         mine = _core.parse_version_name(v.version)[1] if v is not None else 0
+        # A job whose writer lease another job took (this one looked dead: paused, or cut
+        # off from the store longer than the lease's TTL) commits nothing more there.
+        lost = s.lease_lost()
         if s.coordinated:
             # Rank 0's clock decides for everyone, rank 0 numbers the commit, and rank 0's
             # name for the version is everyone's (a rank that saved nothing, or whose
             # counter moved on a failed save, takes it).
-            due_all, must, seq, number = _dist.all_reduce_max(
+            due_all, must, seq, number, any_lost = _dist.all_reduce_max(
                 [int(due) if s.rank == 0 else 0, must_here, s.seq + 1 if s.rank == 0 else 0,
-                 mine if s.rank == 0 else 0])
+                 mine if s.rank == 0 else 0, int(lost is not None)])
+            if any_lost:
+                raise lost or StoreInUseError(
+                    f"rank 0 lost the writer lease of {s.root}: another job writes there now")
             agreed = _core.version_name(s.run_id, number)
             if v is None:
                 v = _OpenVersion(self.tag, agreed)
@@ -515,6 +582,8 @@ class Checkpoint:
                 v.version = agreed
             s.counter = max(s.counter, number)
         else:
+            if lost is not None:
+                raise lost
             # Ranks given explicitly, without torch.distributed: each decides alike.
             due_all, must, seq = int(due), must_here, s.seq + 1
         persist = bool(s.root) and bool(due_all or must)

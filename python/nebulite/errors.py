@@ -53,6 +53,13 @@ class FailedPreconditionError(NebuliteError, RuntimeError):
     """The call is not valid in the current state."""
 
 
+class StoreInUseError(FailedPreconditionError):
+    """Another job holds the persistent store's writer lease: two jobs writing one store
+    would delete each other's checkpoints. The message names the other job (run id, host,
+    pid, when it last renewed its lease) and how to opt into sharing the store
+    (``init(shared_store=True)`` or ``NEBULITE_SHARED_STORE=1``)."""
+
+
 class NotInitializedError(FailedPreconditionError):
     """nebulite.init() has not been called."""
 

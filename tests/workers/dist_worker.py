@@ -17,6 +17,8 @@ Modes:
                           for t1, t2 (retention 2) and flushes.
   shard_resume         -- torch.distributed: every rank finds the latest checkpoint and loads
                           its own shard, counting the bytes it read (/proc/self/io).
+  init_only            -- torch.distributed: every rank calls init() and reports what it
+                          raised (a store another job writes), then meets the others.
 Prints one JSON line "RESULT {...}" on success and exits 0.
 """
 
@@ -288,6 +290,21 @@ def run_shard_resume(store: str, rank: int, world: int, port: int) -> dict:
     return {"rank": rank, "read": read, "own": own}
 
 
+def run_init_only(store: str, rank: int, world: int, port: int) -> dict:
+    import torch.distributed as dist
+
+    _init_dist(rank, world, port)
+    out: dict = {"rank": rank, "raised": None}
+    try:
+        nm.init(persistent_storage_path=store, agent=False)
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out["raised"] = f"{type(e).__name__}: {e}"
+    dist.barrier()  # every rank got here: nobody is left waiting in a collective
+    nm.shutdown()
+    dist.destroy_process_group()
+    return out
+
+
 def main() -> None:
     mode, store, rank, world, port = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     if mode == "dist":
@@ -304,6 +321,8 @@ def main() -> None:
         out = run_shard_save(store, rank, world, port, int(sys.argv[6]))
     elif mode == "shard_resume":
         out = run_shard_resume(store, rank, world, port)
+    elif mode == "init_only":
+        out = run_init_only(store, rank, world, port)
     else:
         raise SystemExit(f"unknown mode {mode}")
     print("RESULT " + json.dumps(out), flush=True)

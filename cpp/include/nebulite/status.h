@@ -28,6 +28,7 @@ enum class StatusCode : int {
   kAlreadyExists = 10,
   kCancelled = 11,
   kInternal = 12,
+  kStoreInUse = 13,  // another job holds the store's writer lease
 };
 
 const char* StatusCodeName(StatusCode code);
@@ -60,6 +61,7 @@ class [[nodiscard]] Status {
   static Status AlreadyExists(std::string m) { return {StatusCode::kAlreadyExists, std::move(m)}; }
   static Status Cancelled(std::string m) { return {StatusCode::kCancelled, std::move(m)}; }
   static Status Internal(std::string m) { return {StatusCode::kInternal, std::move(m)}; }
+  static Status StoreInUse(std::string m) { return {StatusCode::kStoreInUse, std::move(m)}; }
 
   // Builds an IOError (or NoSpace / PermissionDenied / NotFound) from errno.
   static Status FromErrno(int err, const std::string& context);

@@ -85,6 +85,11 @@ class Storage {
                                                                 uint64_t size) = 0;
   // Writes a small file atomically and durably (see the contract above).
   virtual Status WriteFileAtomic(const std::string& path, const std::string& data) = 0;
+  // As WriteFileAtomic, for a file only its owner may read and write (posix: mode 0600).
+  // Drivers without permissions write it as WriteFileAtomic does.
+  virtual Status WritePrivateFileAtomic(const std::string& path, const std::string& data) {
+    return WriteFileAtomic(path, data);
+  }
   // As WriteFileAtomic, but AlreadyExists if `path` exists (atomically decided).
   virtual Status CreateFileExclusive(const std::string& path, const std::string& data) = 0;
   // Appends `data` to `path` (created if missing, with its parents) in one write, so that

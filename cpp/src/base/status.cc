@@ -33,6 +33,8 @@ const char* StatusCodeName(StatusCode code) {
       return "Cancelled";
     case StatusCode::kInternal:
       return "Internal";
+    case StatusCode::kStoreInUse:
+      return "StoreInUse";
   }
   return "Unknown";
 }

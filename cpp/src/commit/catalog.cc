@@ -131,7 +131,14 @@ Result<RetentionResult> ApplyRetention(Storage* storage, uint32_t keep, VersionC
     const std::string& tag = catalog.entries[i].commit.tag;
     const std::string& version = catalog.entries[i].commit.version;
     if (tag == protect_tag && version == protect_version) continue;
-    NEBULITE_RETURN_IF_ERROR(RetireVersion(storage, tag, version));
+    Status st = RetireVersion(storage, tag, version);
+    if (st.code() == StatusCode::kInvalidArgument) {
+      // Not nebulite's to delete (reached through a symbolic link, say): nothing was changed.
+      result.warnings.push_back("checkpoint '" + tag + "' (" + version +
+                                ") is kept: " + st.ToString());
+      continue;
+    }
+    NEBULITE_RETURN_IF_ERROR(st);
     result.deleted.emplace_back(tag, version);
   }
   return result;

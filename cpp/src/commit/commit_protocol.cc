@@ -151,8 +151,13 @@ Result<Manifest> ReadManifest(Storage* storage, const std::string& tag, const st
                               uint32_t rank) {
   NEBULITE_RETURN_IF_ERROR(ValidateIds(tag, version));
   const std::string path = ManifestPath(tag, version, rank);
-  NEBULITE_ASSIGN_OR_RETURN(std::string text, storage->ReadFile(path, kMaxManifestBytes));
-  Result<Manifest> m = DecodeManifest(text);
+  Result<std::string> text = storage->ReadFile(path, kMaxManifestBytes);
+  if (!text.ok() && text.status().code() == StatusCode::kInvalidArgument) {
+    // A directory, a FIFO or a device where the manifest should be: the version is damaged.
+    return Status::Corruption(text.status().message());
+  }
+  if (!text.ok()) return text.status();
+  Result<Manifest> m = DecodeManifest(*text);
   if (!m.ok()) return m.status().WithContext(path);
   if (m->tag != tag || m->version != version || m->rank != rank) {
     return Status::Corruption(path + ": manifest is for tag '" + m->tag + "' version '" +

@@ -1,5 +1,5 @@
-// Text encodings of manifests and commit records (docs/format.md, "Persistent layout,
-// manifests and commit markers", is normative).
+// Text encodings of manifests, commit records and the writer lease (docs/format.md, "Persistent
+// layout, manifests and commit markers", is normative).
 //
 // Both are line based, every line ends in "\n", fields are separated by one space and
 // the last line is "end <crc32>" over all preceding bytes. Strings are percent-encoded
@@ -15,12 +15,14 @@
 
 #include "nebulite/commit.h"
 #include "nebulite/crc32.h"
+#include "nebulite/lease.h"
 
 namespace nebulite {
 namespace {
 
 constexpr std::string_view kManifestMagic = "nebulite-manifest";
 constexpr std::string_view kCommitMagic = "nebulite-commit";
+constexpr std::string_view kLeaseMagic = "nebulite-lease";
 
 std::string Hex8(uint32_t v) {
   char buf[9];
@@ -317,6 +319,37 @@ Result<CommitRecord> DecodeCommitRecord(const std::string& text) {
   }
   if (!p.AtEnd()) return p.Error("unexpected line after the manifest lines");
   return c;
+}
+
+std::string EncodeLease(const Lease& lease) {
+  std::string out;
+  out += std::string(kLeaseMagic) + " " + std::to_string(kManifestVersion) + "\n";
+  out += "run " + Escape(lease.run) + "\n";
+  out += "host " + Escape(lease.host) + "\n";
+  out += "pid " + std::to_string(lease.pid) + "\n";
+  out += "renewed_unix_ns " + std::to_string(lease.renewed_unix_ns) + "\n";
+  out += "ttl_seconds " + std::to_string(lease.ttl_seconds) + "\n";
+  AppendEnd(&out);
+  return out;
+}
+
+Result<Lease> DecodeLease(const std::string& text) {
+  NEBULITE_ASSIGN_OR_RETURN(std::string_view body, CheckFrame(text, kLeaseMagic, "lease"));
+  LineParser p(body, "lease");
+  std::vector<std::string_view> f;
+  Lease lease;
+  NEBULITE_RETURN_IF_ERROR(p.ReadFields("run", 1, &f));
+  NEBULITE_RETURN_IF_ERROR(p.ParseName(f[0], "run", &lease.run));
+  NEBULITE_RETURN_IF_ERROR(p.ReadFields("host", 1, &f));
+  NEBULITE_RETURN_IF_ERROR(p.ParseName(f[0], "host", &lease.host));
+  NEBULITE_RETURN_IF_ERROR(p.ReadFields("pid", 1, &f));
+  NEBULITE_RETURN_IF_ERROR(p.ParseU32(f[0], &lease.pid));
+  NEBULITE_RETURN_IF_ERROR(p.ReadFields("renewed_unix_ns", 1, &f));
+  NEBULITE_RETURN_IF_ERROR(p.ParseI64(f[0], &lease.renewed_unix_ns));
+  NEBULITE_RETURN_IF_ERROR(p.ReadFields("ttl_seconds", 1, &f));
+  NEBULITE_RETURN_IF_ERROR(p.ParseU32(f[0], &lease.ttl_seconds));
+  if (!p.AtEnd()) return p.Error("unexpected line after 'ttl_seconds'");
+  return lease;
 }
 
 }  // namespace nebulite

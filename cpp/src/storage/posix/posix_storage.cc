@@ -344,6 +344,10 @@ class PosixStorage final : public Storage {
     return WriteViaTemp(path, data, /*exclusive=*/false);
   }
 
+  Status WritePrivateFileAtomic(const std::string& path, const std::string& data) override {
+    return WriteViaTemp(path, data, /*exclusive=*/false, /*owner_only=*/true);
+  }
+
   Status CreateFileExclusive(const std::string& path, const std::string& data) override {
     return WriteViaTemp(path, data, /*exclusive=*/true);
   }
@@ -501,6 +505,7 @@ class PosixStorage final : public Storage {
   Status Delete(const std::string& path) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
     NEBULITE_RETURN_IF_ERROR(Writable());
+    NEBULITE_RETURN_IF_ERROR(RefuseSymlinks(path, /*including_last=*/false));
     const std::string full = Full(path);
     // ENOTDIR: a file stands where a parent directory would be, so `path` does not exist.
     if (::unlink(full.c_str()) != 0 && errno != ENOENT && errno != ENOTDIR)
@@ -512,12 +517,14 @@ class PosixStorage final : public Storage {
     // Deleting the whole root is never what a caller means.
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(dir, "directory", false));
     NEBULITE_RETURN_IF_ERROR(Writable());
+    NEBULITE_RETURN_IF_ERROR(RefuseSymlinks(dir, /*including_last=*/true));
     return RemoveTree(Full(dir));
   }
 
   Result<bool> RemoveDirIfEmpty(const std::string& dir) override {
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(dir, "directory", false));
     NEBULITE_RETURN_IF_ERROR(Writable());
+    NEBULITE_RETURN_IF_ERROR(RefuseSymlinks(dir, /*including_last=*/false));
     const std::string full = Full(dir);
     if (::rmdir(full.c_str()) == 0 || errno == ENOENT) return true;
     if (errno == ENOTEMPTY || errno == EEXIST) return false;
@@ -570,7 +577,9 @@ class PosixStorage final : public Storage {
 
   // Steps 1-4 of the atomic write protocol (see the top of this file); with `exclusive`,
   // step 3 is link(), which fails if the target exists, instead of rename().
-  Status WriteViaTemp(const std::string& path, const std::string& data, bool exclusive) {
+  Status WriteViaTemp(const std::string& path, const std::string& data, bool exclusive,
+                      bool owner_only = false) {
+    const CreateModes modes = owner_only ? CreateModes(0600) : modes_;
     NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "file path", false));
     NEBULITE_RETURN_IF_ERROR(Writable());
     const std::string dir = ParentDir(path);
@@ -582,7 +591,7 @@ class PosixStorage final : public Storage {
     const std::string temp = Full(JoinPath(dir, "." + name + ".tmp." + std::to_string(::getpid()) +
                                                     "." + std::to_string(++g_temp_counter)));
     // 1. Write the temporary file.
-    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, modes_.open_file());
+    int fd = ::open(temp.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, modes.open_file());
     if (fd < 0) return ErrnoStatus(errno, "create", temp);
     FdCloser closer(fd);
     auto fail = [&](int err, const char* what) {
@@ -590,7 +599,7 @@ class PosixStorage final : public Storage {
       ::unlink(temp.c_str());
       return ErrnoStatus(err, what, temp);
     };
-    if (int err = ApplyFileMode(fd, modes_); err != 0) return fail(err, "set the mode of");
+    if (int err = ApplyFileMode(fd, modes); err != 0) return fail(err, "set the mode of");
     if (int err = PwriteFully(fd, data.data(), data.size(), 0); err != 0) return fail(err, "write");
     // 2. Make its bytes durable.
     if (::fsync(fd) != 0) return fail(errno, "fsync");
@@ -613,6 +622,25 @@ class PosixStorage final : public Storage {
     const std::string full_dir = Full(dir);
     if (int err = FsyncDirectory(full_dir); err != 0) {
       return ErrnoStatus(err, "fsync directory", full_dir);
+    }
+    return Status::OK();
+  }
+
+  // Deletions never go through a symbolic link below the root (nor, with
+  // `including_last`, remove one): a link may lead out of the store, and nebulite never
+  // creates one, so whatever it leads to is not nebulite's.
+  Status RefuseSymlinks(const std::string& path, bool including_last) const {
+    size_t end = 0;
+    while (end != std::string::npos) {
+      end = path.find('/', end + 1);
+      if (end == std::string::npos && !including_last) break;
+      const std::string full = Full(path.substr(0, end));
+      struct stat st;
+      if (::lstat(full.c_str(), &st) != 0) return Status::OK();  // missing: nothing to follow
+      if (S_ISLNK(st.st_mode)) {
+        return Status::InvalidArgument("'" + full + "' is a symbolic link: nebulite never " +
+                                       "deletes through one");
+      }
     }
     return Status::OK();
   }

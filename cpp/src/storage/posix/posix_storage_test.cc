@@ -277,5 +277,35 @@ TEST_F(PosixStorageTest, LockFilesAreCreatedForTheOwnerOnly) {
   EXPECT_EQ(st.st_mode & 0777, 0600u);
 }
 
+TEST_F(PosixStorageTest, DeletionsNeverGoThroughASymlink) {
+  // A tag directory that is a link out of the store: retention and dead-run clean-up
+  // must not delete what it leads to, nor the link itself.
+  auto s = OpenPosixStorage(dir_ + "/root");
+  ASSERT_TRUE(s.ok());
+  std::filesystem::create_directories(dir_ + "/outside/vdead-000001");
+  std::ofstream(dir_ + "/outside/vdead-000001/COMMITTED") << "keep";
+  ASSERT_EQ(::symlink((dir_ + "/outside").c_str(), (dir_ + "/root/linked").c_str()), 0);
+  EXPECT_EQ((*s)->Delete("linked/vdead-000001/COMMITTED").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*s)->DeleteRecursively("linked/vdead-000001").code(), StatusCode::kInvalidArgument);
+  EXPECT_EQ((*s)->DeleteRecursively("linked").code(), StatusCode::kInvalidArgument);
+  EXPECT_FALSE((*s)->RemoveDirIfEmpty("linked/vdead-000001").ok());
+  EXPECT_TRUE(std::filesystem::exists(dir_ + "/outside/vdead-000001/COMMITTED"));
+  EXPECT_TRUE(std::filesystem::is_symlink(dir_ + "/root/linked"));
+  // Paths without links are deleted as before.
+  ASSERT_TRUE((*s)->WriteFileAtomic("t/v/f", "x").ok());
+  EXPECT_TRUE((*s)->Delete("t/v/f").ok());
+  EXPECT_TRUE((*s)->DeleteRecursively("t").ok());
+}
+
+TEST_F(PosixStorageTest, PrivateFilesAreOwnerOnly) {
+  auto s = OpenPosixStorage(dir_ + "/root");
+  ASSERT_TRUE(s.ok());
+  ASSERT_TRUE((*s)->WritePrivateFileAtomic(".nebulite/lease", "x").ok());
+  struct stat st;
+  ASSERT_EQ(::stat((dir_ + "/root/.nebulite/lease").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  EXPECT_EQ(Val((*s)->ReadFile(".nebulite/lease", 16)), "x");
+}
+
 }  // namespace
 }  // namespace nebulite
