@@ -30,8 +30,12 @@ def _checkpoint(store: str, **options) -> None:
     nebulite.shutdown()
 
 
+#: Files that are the owner's only, whatever file_mode says: run locks and the writer lease.
+_PRIVATE = (os.path.join(".nebulite", "lease"), os.path.join(".nebulite", "lease.lock"))
+
+
 def _modes(store: str) -> tuple[dict[str, int], dict[str, int]]:
-    """Modes of nebulite's own files and directories (run locks excluded: always 0600)."""
+    """Modes of nebulite's own files and directories, less the private ones (checked 0600)."""
     files, dirs = {}, {}
     for here, subdirs, names in os.walk(store):
         for d in subdirs:
@@ -39,8 +43,11 @@ def _modes(store: str) -> tuple[dict[str, int], dict[str, int]]:
                 os.stat(os.path.join(here, d)).st_mode)
         for n in names:
             rel = os.path.relpath(os.path.join(here, n), store)
-            if "runs" not in rel.split(os.sep):
-                files[rel] = stat.S_IMODE(os.stat(os.path.join(here, n)).st_mode)
+            mode = stat.S_IMODE(os.stat(os.path.join(here, n)).st_mode)
+            if "runs" in rel.split(os.sep) or rel in _PRIVATE:
+                assert mode == 0o600, (rel, oct(mode))
+            else:
+                files[rel] = mode
     return files, dirs
 
 
