@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 import shutil
 import signal
@@ -11,6 +12,11 @@ from pathlib import Path
 import pytest
 
 import nebulite.api
+
+# Node agents detach from the trainer that starts them and are re-parented to the nearest
+# subreaper: make it this test process, so that the agents tests start (and end) are reaped
+# here by kill_agents_of() instead of lingering under a PID 1 that may not reap.
+ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 
 # The engine runs embedded in the test process (and in the processes tests start) unless
 # a test asks for the node agent, the default of init(): tests/test_agent.py and the
@@ -70,4 +76,8 @@ def kill_agents_of(rt: Path) -> None:
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
+                    pass
+                try:
+                    os.waitpid(pid, 0)  # an agent re-parented to this process
+                except ChildProcessError:
                     pass

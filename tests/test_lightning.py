@@ -15,6 +15,7 @@ import pickle
 import socket
 import subprocess
 import sys
+import threading
 import zipfile
 from pathlib import Path
 from typing import Any
@@ -204,6 +205,28 @@ def test_with_the_node_agent(tmp_path, store, agent_env, monkeypatch):
         TinyModule(), loader(), ckpt_path="last")
     assert resumed.seen["start_step"] == 4 and resumed.seen["start_weights"] == first.seen["end_weights"]
     assert nebulite.session_info()["agent_pid"] not in (None, os.getpid())
+
+
+def _nebulite_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("nebulite"))
+
+
+def test_no_thread_outlives_the_work(tmp_path, store, agent_env, monkeypatch):
+    """As Lightning's own "no leftover threads" test fixture checks: once fit has returned
+    (nothing pending), and after shutdown, no Python thread of nebulite runs, with the node
+    agent and with asynchronous staging; a second persistent path starts none either."""
+    monkeypatch.setenv("NEBULITE_AGENT", "1")
+    before = set(threading.enumerate())
+    for i in range(2):
+        callback = NebulaCallback(dirpath=str(tmp_path / f"ckpts{i}"), every_n_train_steps=2,
+                                  config_params={"persistent_storage_path": f"{store}{i}",
+                                                 "async_staging": True})
+        _trainer(tmp_path, 4, [callback], [NebulaCheckpointIO()]).fit(TinyModule(), loader())
+        assert nebulite.session_info()["agent_pid"] not in (None, os.getpid())
+        _assert_nebulite_file(str(tmp_path / f"ckpts{i}" / "epoch=0-step=4.ckpt"), f"{store}{i}")
+        assert _nebulite_threads() == []
+    nebulite.shutdown()
+    assert set(threading.enumerate()) <= before
 
 
 # -- manual saving, loading ------------------------------------------------------------------

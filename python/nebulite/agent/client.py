@@ -154,23 +154,33 @@ def connect_or_start(root: str | None, memory: int, retention: int, commit_timeo
         if s is not None:
             return s
         log = open(os.path.join(base, f"agent-{scope}.log"), "ab")
-        agent = subprocess.Popen(
-            [sys.executable, "-m", "nebulite.agent", "--socket", path, "--root", root or "",
-             "--memory", str(memory), "--retention", str(retention),
+        # --detach: the agent forks and its first process exits at once, so the agent is
+        # no child of this process (nothing here has to reap it, no thread waits for it)
+        # and it outlives the trainer as the node's daemon.
+        launcher = subprocess.Popen(
+            [sys.executable, "-m", "nebulite.agent", "--detach", "--socket", path,
+             "--root", root or "", "--memory", str(memory), "--retention", str(retention),
              "--commit-timeout", str(commit_timeout), "--io-threads", str(io_threads),
              "--idle-exit", str(idle_exit), "--file-mode", f"{file_mode:o}"]
             + (["--prefault"] if prefault else []),
             stdin=subprocess.DEVNULL, stdout=log, stderr=log, start_new_session=True,
             close_fds=True)
         log.close()
-        # Reap it if it exits before this process does (else it lingers as a zombie).
-        threading.Thread(target=agent.wait, name="nebulite-agent-reaper", daemon=True).start()
-        deadline = time.monotonic() + START_TIMEOUT
-        while time.monotonic() < deadline:
-            s = _connect(path)
-            if s is not None:
-                return s
-            time.sleep(0.02)
+        try:
+            deadline = time.monotonic() + START_TIMEOUT
+            while time.monotonic() < deadline:
+                s = _connect(path)
+                if s is not None:
+                    return s
+                if launcher.poll() not in (None, 0):
+                    break  # it failed before it could fork
+                time.sleep(0.02)
+        finally:
+            try:
+                launcher.wait(timeout=START_TIMEOUT)  # it exits right after forking
+            except subprocess.TimeoutExpired:
+                launcher.kill()
+                launcher.wait()
     raise errors.NebuliteError(f"the nebulite agent did not start; see {base}/agent-{scope}.log")
 
 
@@ -398,10 +408,14 @@ class AgentEngine:
             self._jobs_cv.notify_all()
 
     def _work(self) -> None:
+        """Runs the queued jobs; the thread ends as soon as none is left (the next
+        _submit starts another), so no thread outlives the work."""
         while True:
             with self._jobs_cv:
-                while not self._jobs:
-                    self._jobs_cv.wait()
+                if not self._jobs:
+                    self._worker = None
+                    self._jobs_cv.notify_all()
+                    return
                 job = self._jobs[0]
             try:
                 if self._job_error is None:  # after a failure, the rest is dropped
@@ -429,6 +443,9 @@ class AgentEngine:
         with self._jobs_cv:
             while self._jobs:
                 self._jobs_cv.wait()
+            worker = self._worker
+        if worker is not None and worker is not threading.current_thread():
+            worker.join()  # it is ending: nothing is queued
         if self._job_error is not None:
             e, self._job_error = self._job_error, None
             raise e

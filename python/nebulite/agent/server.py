@@ -541,7 +541,12 @@ def main(argv: list[str] | None = None) -> int:
                    help="octal mode of the files it persists (0: 0666 less the umask)")
     p.add_argument("--prefault", action="store_true",
                    help="touch the whole memory budget at start instead of as saves need it")
+    p.add_argument("--detach", action="store_true",
+                   help="fork and let the first process exit at once, so that the agent is "
+                        "no child of the process that started it (trainers pass it)")
     a = p.parse_args(argv)
+    if a.detach and os.fork() != 0:
+        os._exit(0)  # before any thread is started: the child goes on alone
     if a.root:
         a.root = os.path.abspath(a.root[len("file://"):] if a.root.startswith("file://") else a.root)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
