@@ -9,6 +9,7 @@ history), never files written by torch.save.
 from __future__ import annotations
 
 import glob
+import inspect
 import json
 import os
 import pickle
@@ -16,9 +17,11 @@ import socket
 import subprocess
 import sys
 import threading
+import typing
 import zipfile
 from pathlib import Path
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Optional
 
 import lightning as L
 import pytest
@@ -205,6 +208,25 @@ def test_with_the_node_agent(tmp_path, store, agent_env, monkeypatch):
         TinyModule(), loader(), ckpt_path="last")
     assert resumed.seen["start_step"] == 4 and resumed.seen["start_weights"] == first.seen["end_weights"]
     assert nebulite.session_info()["agent_pid"] not in (None, os.getpid())
+
+
+def test_callback_signature_is_modelcheckpoint_s_plus_config_params():
+    stock = inspect.signature(L.pytorch.callbacks.ModelCheckpoint)
+    ours = inspect.signature(NebulaCallback)
+    expected = list(stock.parameters.values()) + [
+        inspect.Parameter("config_params", inspect.Parameter.KEYWORD_ONLY, default=None,
+                          annotation=Optional[Mapping[str, Any]])]
+    assert [(p.name, p.kind, p.default) for p in ours.parameters.values()] == [
+        (p.name, p.kind, p.default) for p in expected]
+    hints = typing.get_type_hints(NebulaCallback.__init__)
+    stock_hints = typing.get_type_hints(L.pytorch.callbacks.ModelCheckpoint.__init__)
+    assert {k: hints[k] for k in stock.parameters} == {k: stock_hints[k] for k in stock.parameters}
+    assert hints["config_params"] == Optional[Mapping[str, Any]]
+    # Positional arguments land where ModelCheckpoint puts them.
+    callback = NebulaCallback("some/dir", "{epoch}", "val_loss", config_params={"a": 1})
+    assert (callback.dirpath, callback.filename, callback.monitor) == (
+        os.path.realpath("some/dir"), "{epoch}", "val_loss")
+    assert callback.config_params == {"a": 1}
 
 
 def _nebulite_threads() -> list[str]:

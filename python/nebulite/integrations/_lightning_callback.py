@@ -5,7 +5,9 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any, Optional
+from datetime import timedelta
+from pathlib import Path
+from typing import Any, Literal, Optional, Union
 
 from .. import api
 from .._config import Config
@@ -45,7 +47,7 @@ def _resolved(params: Mapping[str, Any]) -> Config:
 class NebulaCallbackMixin:
     """The behaviour of ``NebulaCallback``.
 
-    ``NebulaCallback(*ModelCheckpoint_args, config_params={...}, **ModelCheckpoint_kwargs)``
+    ``NebulaCallback(<ModelCheckpoint's parameters>, *, config_params={...})``
     decides when to save and what to keep exactly as ``ModelCheckpoint`` does. At setup it
     initialises nebulite on every rank with `config_params` (the arguments of
     ``nebulite.init``; without them, an existing ``nebulite.init()`` stands), as one rank
@@ -69,8 +71,38 @@ class NebulaCallbackMixin:
     best_model_path: str
     monitor: Optional[str]
 
-    def __init__(self, *args: Any, config_params: Optional[Mapping[str, Any]] = None, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    # ModelCheckpoint's parameters, spelled out for the tools that read the signature
+    # (LightningCLI, IDEs, documentation generators); tests/test_lightning.py keeps them
+    # equal to the installed ModelCheckpoint's.
+    def __init__(
+        self,
+        dirpath: Union[str, Path, None] = None,
+        filename: Optional[str] = None,
+        monitor: Optional[str] = None,
+        verbose: bool = False,
+        save_last: Union[bool, Literal["link"], None] = None,
+        save_top_k: int = 1,
+        save_on_exception: bool = False,
+        save_weights_only: bool = False,
+        mode: str = "min",
+        auto_insert_metric_name: bool = True,
+        every_n_train_steps: Optional[int] = None,
+        train_time_interval: Optional[timedelta] = None,
+        every_n_epochs: Optional[int] = None,
+        save_on_train_epoch_end: Optional[bool] = None,
+        enable_version_counter: bool = True,
+        *,
+        config_params: Optional[Mapping[str, Any]] = None,
+    ) -> None:
+        super().__init__(  # type: ignore[call-arg]
+            dirpath=dirpath, filename=filename, monitor=monitor, verbose=verbose,
+            save_last=save_last, save_top_k=save_top_k, save_on_exception=save_on_exception,
+            save_weights_only=save_weights_only, mode=mode,
+            auto_insert_metric_name=auto_insert_metric_name,
+            every_n_train_steps=every_n_train_steps, train_time_interval=train_time_interval,
+            every_n_epochs=every_n_epochs, save_on_train_epoch_end=save_on_train_epoch_end,
+            enable_version_counter=enable_version_counter,
+        )
         self.config_params: dict[str, Any] = dict(config_params or {})
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
