@@ -18,6 +18,7 @@ import subprocess
 import sys
 import threading
 import typing
+import warnings
 import zipfile
 from pathlib import Path
 from collections.abc import Mapping
@@ -227,6 +228,47 @@ def test_callback_signature_is_modelcheckpoint_s_plus_config_params():
     assert (callback.dirpath, callback.filename, callback.monitor) == (
         os.path.realpath("some/dir"), "{epoch}", "val_loss")
     assert callback.config_params == {"a": 1}
+
+
+@pytest.mark.parametrize("first_nebulite", [False, True], ids=["from_modelcheckpoint", "to_modelcheckpoint"])
+def test_a_run_resumes_with_the_other_callback_keeping_its_best_models(tmp_path, store, first_nebulite):
+    """A job saved with ModelCheckpoint resumes under NebulaCallback (and back) with its
+    best-model tracking: the callback's state is under ModelCheckpoint's state key."""
+    ckpt_dir = tmp_path / "ckpts"
+    params = dict(dirpath=str(ckpt_dir), monitor="val_loss", save_top_k=-1, every_n_train_steps=2,
+                  save_last=True)
+
+    def make(nebulite_one: bool) -> Any:
+        if nebulite_one:
+            return NebulaCallback(**params, config_params={"persistent_storage_path": store,
+                                                           "persistent_time_interval": 0})
+        return L.pytorch.callbacks.ModelCheckpoint(**params)
+
+    def plugins(nebulite_one: bool) -> list[Any]:
+        return [NebulaCheckpointIO()] if nebulite_one else []
+
+    first = make(first_nebulite)
+    _trainer(tmp_path, 4, [first], plugins(first_nebulite), val_check_interval=2,
+             limit_val_batches=1).fit(TinyModule(), loader(), loader())
+    assert len(first.best_k_models) == 2
+    assert first.state_key == L.pytorch.callbacks.ModelCheckpoint(**params).state_key
+
+    seen: dict[str, Any] = {}
+
+    class Restored(L.Callback):
+        def on_train_start(self, trainer: Any, pl_module: Any) -> None:
+            seen["best_k_models"] = dict(second.best_k_models)
+            seen["best_model_path"] = second.best_model_path
+
+    nebulite.api._reset_for_tests()
+    second = make(not first_nebulite)
+    with warnings.catch_warnings():
+        warnings.filterwarnings("error", message=".*callbacks used to create the checkpoint.*")
+        _trainer(tmp_path, 6, [second, Restored()], plugins(not first_nebulite), val_check_interval=2,
+                 limit_val_batches=1).fit(TinyModule(), loader(), loader(), ckpt_path="last")
+    assert seen["best_model_path"] == first.best_model_path
+    assert {k: float(v) for k, v in seen["best_k_models"].items()} == {
+        k: float(v) for k, v in first.best_k_models.items()}
 
 
 def _nebulite_threads() -> list[str]:

@@ -105,6 +105,20 @@ class NebulaCallbackMixin:
         )
         self.config_params: dict[str, Any] = dict(config_params or {})
 
+    def _generate_state_key(self, **kwargs: Any) -> str:
+        """``ModelCheckpoint``'s state key, not one of its own: a run saved with either
+        resumes with the other, its best-model tracking included."""
+        return f"ModelCheckpoint{kwargs!r}"
+
+    def on_load_checkpoint(self, trainer: Any, pl_module: Any, checkpoint: dict[str, Any]) -> None:
+        # Checkpoints written before the key was ModelCheckpoint's hold it under this
+        # class's own name: move it to the key Lightning looks up next.
+        states = checkpoint.get("callbacks")
+        old = type(self).__qualname__ + self.state_key[len("ModelCheckpoint"):]
+        if isinstance(states, dict) and self.state_key not in states and old in states:
+            states[self.state_key] = states.pop(old)
+        super().on_load_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
+
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         strategy = trainer.strategy
