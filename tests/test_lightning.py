@@ -271,6 +271,22 @@ def test_a_run_resumes_with_the_other_callback_keeping_its_best_models(tmp_path,
         k: float(v) for k, v in first.best_k_models.items()}
 
 
+@pytest.mark.parametrize("with_callback", [True, False], ids=["nebula_callback", "model_checkpoint"])
+def test_async_checkpoint_io_around_nebulite_is_refused_clearly(tmp_path, store, with_callback):
+    """AsyncCheckpointIO would save on its own thread and remove on the training thread,
+    and never pass teardown on: refused with an error that says what to do instead."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    nebulite.init(persistent_storage_path=store, persistent_time_interval=0)
+    callback = (_callback(tmp_path / "ckpts", store) if with_callback
+                else L.pytorch.callbacks.ModelCheckpoint(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=2))
+    trainer = _trainer(tmp_path, 4, [callback], [AsyncCheckpointIO(NebulaCheckpointIO())])
+    with pytest.raises(nebulite.InvalidArgumentError, match="AsyncCheckpointIO.*plugins=\\[NebulaCheckpointIO"):
+        trainer.fit(TinyModule(), loader())
+    assert list((tmp_path / "ckpts").glob("*.ckpt")) == []  # no link to anything uncommitted
+    assert _nebulite_threads() == []
+
+
 def _nebulite_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("nebulite"))
 

@@ -11,6 +11,8 @@ from typing import Any, Literal, Optional, Union
 
 from .. import api
 from .._config import Config
+from ..errors import InvalidArgumentError
+from ._lightning_io import WRAPPED_REFUSAL
 
 #: Keys of DeepSpeed's "nebula" config block that NebulaCallback's config_params may fill.
 DEEPSPEED_NEBULA_KEYS = (
@@ -126,6 +128,8 @@ class NebulaCallbackMixin:
             enable_nebula(strategy.config, self.config_params)
             return
         io = strategy.checkpoint_io
+        if isinstance(getattr(io, "checkpoint_io", None), self._io_class):  # AsyncCheckpointIO
+            raise InvalidArgumentError(f"NebulaCallback: {WRAPPED_REFUSAL}")
         if type(io) is self._torch_io_class:
             strategy.checkpoint_io = self._io_class()
         elif not isinstance(io, self._io_class):

@@ -33,6 +33,7 @@ import logging
 import os
 import re
 import shutil
+import threading
 import warnings
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -49,6 +50,15 @@ CHECKPOINT_NAME = "checkpoint"
 
 #: The keys of ``trainer.save_checkpoint(..., storage_options=...)`` understood here.
 STORAGE_OPTIONS = ("is_best", "persist_path")
+
+#: Why a save off the main thread is refused (the one place that says it).
+WRAPPED_REFUSAL = (
+    "NebulaCheckpointIO saves on Lightning's training thread only: its saves already return "
+    "once the checkpoint is in memory and persist in the background, so wrapping it in "
+    "AsyncCheckpointIO (which saves on a thread of its own, removes checkpoints on another "
+    "and never passes teardown on) gains nothing and would leave links to uncommitted "
+    "checkpoints. Pass NebulaCheckpointIO() itself: Trainer(plugins=[NebulaCheckpointIO()])"
+)
 
 _RANK_DIR = re.compile(r"^rank(0|[1-9][0-9]*)$")
 
@@ -142,6 +152,8 @@ class NebulaCheckpointIOMixin:
         ``persistent_time_interval`` says) and ``persist_path`` (the persistent storage path
         to save to; nebulite is initialised, or re-initialised, with it).
         """
+        if threading.current_thread() is not threading.main_thread():
+            raise InvalidArgumentError(WRAPPED_REFUSAL)
         is_best, persist_path = self._parse_storage_options(storage_options)
         self._ensure_session(persist_path)
         key = os.path.abspath(os.fspath(path))
