@@ -287,6 +287,22 @@ def test_async_checkpoint_io_around_nebulite_is_refused_clearly(tmp_path, store,
     assert _nebulite_threads() == []
 
 
+@pytest.mark.parametrize("url", ["memory://x"])
+@pytest.mark.parametrize("how", ["callback", "io"])
+def test_a_url_checkpoint_directory_is_refused(tmp_path, store, url, how, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    if how == "callback":
+        trainer = _trainer(tmp_path, 2, [NebulaCallback(dirpath=url, every_n_train_steps=1,
+                                                        config_params={"persistent_storage_path": store})])
+    else:
+        nebulite.init(persistent_storage_path=store)
+        trainer = _trainer(tmp_path, 2, [L.pytorch.callbacks.ModelCheckpoint(dirpath=url, every_n_train_steps=1)],
+                           [NebulaCheckpointIO()])
+    with pytest.raises(nebulite.InvalidArgumentError, match="must be a local path"):
+        trainer.fit(TinyModule(), loader())
+    assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("memory:")) == []
+
+
 def _nebulite_threads() -> list[str]:
     return sorted(t.name for t in threading.enumerate() if t.name.startswith("nebulite"))
 

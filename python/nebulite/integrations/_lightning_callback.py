@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional, Union
 from .. import api
 from .._config import Config
 from ..errors import InvalidArgumentError
-from ._lightning_io import WRAPPED_REFUSAL
+from ._lightning_io import WRAPPED_REFUSAL, refuse_url
 
 #: Keys of DeepSpeed's "nebula" config block that NebulaCallback's config_params may fill.
 DEEPSPEED_NEBULA_KEYS = (
@@ -122,6 +122,7 @@ class NebulaCallbackMixin:
         super().on_load_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
 
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+        refuse_url(self.dirpath)  # type: ignore[attr-defined]
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         strategy = trainer.strategy
         if isinstance(strategy, self._deepspeed_class):

@@ -60,6 +60,17 @@ WRAPPED_REFUSAL = (
     "checkpoints. Pass NebulaCheckpointIO() itself: Trainer(plugins=[NebulaCheckpointIO()])"
 )
 
+def refuse_url(path: Any) -> None:
+    """Lightning's checkpoint paths are local paths here (the links nebulite makes): a URL
+    (``s3://...``, ``memory://...``) is refused instead of becoming a directory named
+    after its scheme."""
+    if path is not None and "://" in os.fspath(path):
+        raise InvalidArgumentError(
+            f"{os.fspath(path)!r}: Lightning's checkpoint directory must be a local path with "
+            "NebulaCheckpointIO and NebulaCallback; to store checkpoints elsewhere, give the "
+            "store as the persistent storage path")
+
+
 _RANK_DIR = re.compile(r"^rank(0|[1-9][0-9]*)$")
 
 
@@ -154,6 +165,7 @@ class NebulaCheckpointIOMixin:
         """
         if threading.current_thread() is not threading.main_thread():
             raise InvalidArgumentError(WRAPPED_REFUSAL)
+        refuse_url(path)
         is_best, persist_path = self._parse_storage_options(storage_options)
         self._ensure_session(persist_path)
         key = os.path.abspath(os.fspath(path))
