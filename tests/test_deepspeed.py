@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -467,3 +468,42 @@ def test_torch_force_weights_only_load_applies_to_deepspeeds_engine(tmp_path, st
         engine.load(path)
     with torch.serialization.safe_globals([_ScaleState]):
         assert engine.load(path)["scaler"] == _ScaleState(4.0)
+
+
+# -- ranks that disagree on the tag ----------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ranks_committing_different_tags_fail_at_once_on_every_rank(tmp_path):
+    """DeepSpeed's tag validation "Warn" or "Ignore" lets each rank save under its own tag:
+    the commit fails on every rank with an error naming the tags, instead of rank 0 waiting
+    for the other rank's manifest until the commit timeout (600 s, longer than the run is
+    given here); the next save with one tag commits, and the agent exits once idle."""
+    runtime = tempfile.mkdtemp(prefix="nbrt-")
+    try:
+        env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime, NEBULITE_AGENT_IDLE_EXIT="1")
+        (results,) = _run(("mixed_tags", tmp_path, 2, env))
+        agent_pid = results[0]["mixed_tags"]["agent_pid"]
+        assert agent_pid and all(r["mixed_tags"]["agent_pid"] == agent_pid for r in results)
+        # Nothing of the failed checkpoints keeps the agent: it exits by itself once idle.
+        while _pid_alive(agent_pid) and Path(f"/proc/{agent_pid}/stat").read_text().split()[2] != "Z":
+            time.sleep(0.1)
+    finally:
+        _kill_agents(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
+    for r in results:
+        got = r["mixed_tags"]
+        for validation in ("Warn", "Ignore"):
+            error = got["errors"][validation]
+            assert error is not None and error[0] == "TagMismatchError", (r["rank"], validation, got)
+            assert "different tags" in error[1], error
+            assert f"{validation}_rank0" in error[1] and f"{validation}_rank1" in error[1], error
+        assert got["listed"] == ["agreed"], got
+    assert sorted(_store_snapshot(tmp_path / "mixed" / "nebula")) == ["agreed"]

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
@@ -36,6 +37,7 @@ from .errors import (
     PersistError,
     StorageFullPersistError,
     StoreInUseError,
+    TagMismatchError,
 )
 
 log = logging.getLogger("nebulite")
@@ -567,9 +569,14 @@ class Checkpoint:
             # Rank 0's clock decides for everyone, rank 0 numbers the commit, and rank 0's
             # name for the version is everyone's (a rank that saved nothing, or whose
             # counter moved on a failed save, takes it).
-            due_all, must, seq, number, any_lost = _dist.all_reduce_max(
+            # Every rank must commit the same tag: the maximum of a digest and of its
+            # complement differ from one value and its complement when any rank's differs.
+            digest = zlib.crc32(self.tag.encode("utf-8"))
+            due_all, must, seq, number, any_lost, top, top_complement = _dist.all_reduce_max(
                 [int(due) if s.rank == 0 else 0, must_here, s.seq + 1 if s.rank == 0 else 0,
-                 mine if s.rank == 0 else 0, int(lost is not None)])
+                 mine if s.rank == 0 else 0, int(lost is not None), digest, 0xFFFFFFFF - digest])
+            if top + top_complement != 0xFFFFFFFF:
+                self._fail_mismatched_tags(s, v)
             if any_lost:
                 raise lost or StoreInUseError(
                     f"rank 0 lost the writer lease of {s.root}: another job writes there now")
@@ -593,6 +600,19 @@ class Checkpoint:
             s.last_persist = now
         del s.open[self.tag]
         return True
+
+    def _fail_mismatched_tags(self, s: _Session, v: _OpenVersion | None) -> None:
+        """The ranks committed different tags: every rank drops what it saved of its own
+        and raises the same error (one more collective, only in this case)."""
+        tags = _dist.all_gather(self.tag)
+        if v is not None:
+            s.engine.abandon(self.tag, v.version)
+        s.open.pop(self.tag, None)
+        named = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+        raise TagMismatchError(
+            f"the ranks committed different tags ({named}); a checkpoint is one tag on every "
+            "rank, so nothing of this one is kept (with DeepSpeed, give every rank the same "
+            "tag, or set checkpoint.tag_validation to \"Fail\" to be stopped before saving)")
 
     # -- reading --------------------------------------------------------------
 
