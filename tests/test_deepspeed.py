@@ -22,6 +22,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
@@ -140,7 +141,7 @@ def _ds_files(save_dir: Path) -> dict[str, Any]:
         if name == "latest":
             out[name] = p.read_text()
         elif name.endswith(".pt"):
-            out[name] = torch.load(p, weights_only=True)
+            out[name] = torch.load(p, weights_only=False)  # DeepSpeed's state, or its placeholder
         else:
             out[name] = None
     return out
@@ -258,8 +259,9 @@ def test_nebulite_files_are_deepspeed_state_that_torch_load_reads(runs):
 
 
 def test_deepspeed_finds_its_files_in_save_dir(runs):
-    """save_dir holds what DeepSpeed's loader globs for: `latest` and one empty placeholder per
-    object (torch.save("")), the data being in nebulite."""
+    """save_dir holds what DeepSpeed's loader globs for: `latest` and one file per object:
+    DeepSpeed's empty placeholder (torch.save("")) until the checkpoint is committed in the
+    store, then the committed file (the retained tags, at the latest when the process ends)."""
     for world in (1, 2):
         for stage in STAGES:
             files = runs["ds_files"][world][stage]
@@ -268,7 +270,14 @@ def test_deepspeed_finds_its_files_in_save_dir(runs):
                 expected |= {f"{tag}/{n}" for names in _expected_names(stage, world).values() for n in names}
             assert set(files) == expected, (world, stage, sorted(files))
             assert files["latest"] == "global_step6"
-            assert all(files[n] == "" for n in files if n.endswith(".pt")), (world, stage, files)
+            for n in (n for n in files if n.endswith(".pt")):
+                held = files[n]
+                if n.startswith("global_step2/"):  # retention may remove it before it is seen
+                    assert held == "" or isinstance(held, dict), (world, stage, n)
+                else:
+                    assert isinstance(held, dict), (world, stage, n)
+                    if n.endswith(MODEL):
+                        assert held["global_steps"] == int(n.split("/")[0][len("global_step"):])
             for r in runs["saved"][world]:
                 assert set(r["save"][f"z{stage}"]["placeholders"].values()) == {""}
 
@@ -353,7 +362,10 @@ def test_azure_documented_pattern(runs):
     assert list(held) == ["global_step2"] and held["global_step2"]["names"] == {0: sorted([MODEL, _zero_file(0)])}
     files = _ds_files(runs["work"][1] / "azure" / "checkpoints")
     assert files["latest"] == "global_step6"
-    assert all(files[f"{t}/{n}"] == "" for t in ("global_step2", "global_step6") for n in (MODEL, _zero_file(0)))
+    # Persisted at once, global_step2's placeholders became its files; global_step6 is in memory only.
+    assert files[f"global_step2/{MODEL}"]["global_steps"] == 2
+    assert isinstance(files[f"global_step2/{_zero_file(0)}"], dict)
+    assert all(files[f"global_step6/{n}"] == "" for n in (MODEL, _zero_file(0)))
     assert "zero_to_fp32.py" in files and "checkpointHistories.csv" in files
 
 
@@ -467,3 +479,72 @@ def test_torch_force_weights_only_load_applies_to_deepspeeds_engine(tmp_path, st
         engine.load(path)
     with torch.serialization.safe_globals([_ScaleState]):
         assert engine.load(path)["scaler"] == _ScaleState(4.0)
+
+
+# -- ranks that disagree on the tag ----------------------------------------------------------
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
+def test_ranks_committing_different_tags_fail_at_once_on_every_rank(tmp_path):
+    """DeepSpeed's tag validation "Warn" or "Ignore" lets each rank save under its own tag:
+    the commit fails on every rank with an error naming the tags, instead of rank 0 waiting
+    for the other rank's manifest until the commit timeout (600 s, longer than the run is
+    given here); the next save with one tag commits, and the agent exits once idle."""
+    runtime = tempfile.mkdtemp(prefix="nbrt-")
+    try:
+        env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime, NEBULITE_AGENT_IDLE_EXIT="1")
+        (results,) = _run(("mixed_tags", tmp_path, 2, env))
+        agent_pid = results[0]["mixed_tags"]["agent_pid"]
+        assert agent_pid and all(r["mixed_tags"]["agent_pid"] == agent_pid for r in results)
+        # Nothing of the failed checkpoints keeps the agent: it exits by itself once idle.
+        while _pid_alive(agent_pid) and Path(f"/proc/{agent_pid}/stat").read_text().split()[2] != "Z":
+            time.sleep(0.1)
+    finally:
+        _kill_agents(runtime)
+        shutil.rmtree(runtime, ignore_errors=True)
+    for r in results:
+        got = r["mixed_tags"]
+        for validation in ("Warn", "Ignore"):
+            error = got["errors"][validation]
+            assert error is not None and error[0] == "TagMismatchError", (r["rank"], validation, got)
+            assert "different tags" in error[1], error
+            assert f"{validation}_rank0" in error[1] and f"{validation}_rank1" in error[1], error
+        assert got["listed"] == ["agreed"], got
+    assert sorted(_store_snapshot(tmp_path / "mixed" / "nebula")) == ["agreed"]
+
+
+# -- save_dir holds real checkpoints ---------------------------------------------------------
+
+
+def test_placeholders_become_the_committed_files(tmp_path, store):
+    """Once a checkpoint is committed in the store, each placeholder DeepSpeed's engine wrote
+    in save_dir is replaced by the committed file, which torch.load reads as DeepSpeed's own
+    readers do (ZeRO-3 load paths, zero_to_fp32.py, enable_nebula_load: false)."""
+    save_dir = tmp_path / "ds"
+    (save_dir / "global_step3").mkdir(parents=True)
+    paths = [str(save_dir / "global_step3" / n) for n in (MODEL, _zero_file(0))]
+    states = [{"module": {"w": torch.arange(6.0).reshape(2, 3)}, "loss_scaler": _ScaleState(2.0)},
+              {"optimizer_state_dict": {"step": 3, "m": torch.ones(4)}}]
+    engine = _engine(store)
+    info = _commit_info("global_step3", save_dir)
+    engine.create(info)
+    for state, path in zip(states, paths):
+        engine.save(state, path)
+    assert engine.commit(info) is True
+    nebulite.flush_persistence()
+    for state, path in zip(states, paths):
+        loaded = torch.load(path, weights_only=False)  # DeepSpeed's own classes
+        assert loaded.keys() == state.keys()
+    model, zero = (torch.load(p, weights_only=False) for p in paths)
+    assert torch.equal(model["module"]["w"], states[0]["module"]["w"])
+    assert model["loss_scaler"] == _ScaleState(2.0)
+    assert zero["optimizer_state_dict"]["step"] == 3
+    assert torch.equal(zero["optimizer_state_dict"]["m"], torch.ones(4))
+    assert sorted(os.listdir(save_dir / "global_step3")) == sorted(os.path.basename(p) for p in paths)

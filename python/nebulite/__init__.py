@@ -32,6 +32,7 @@ from .errors import (
     StorageFullPersistError,
     StoragePermissionError,
     StoreInUseError,
+    TagMismatchError,
     UnsupportedVersionError,
 )
 
@@ -99,6 +100,7 @@ __all__ = [
     "StorageFullPersistError",
     "StoragePermissionError",
     "StoreInUseError",
+    "TagMismatchError",
     "UnsupportedVersionError",
     "flush_persistence",
     "get_checkpoint",

@@ -18,10 +18,12 @@ import sys
 import threading
 import time
 import warnings
+import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 from . import _core, _dist, _staging
+from ._save_dir import Placeholders
 from ._config import Config, parse_path, parse_seconds
 from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
 from .errors import (
@@ -36,6 +38,7 @@ from .errors import (
     PersistError,
     StorageFullPersistError,
     StoreInUseError,
+    TagMismatchError,
 )
 
 log = logging.getLogger("nebulite")
@@ -207,6 +210,7 @@ class _Session:
         self._run_lock: Any = None
         self.pending: list[Any] = []  # record sets whose deferred copies may be running
         self.open: dict[str, _OpenVersion] = {}
+        self.placeholders = Placeholders()  # DeepSpeed's files in its save_dir
         self.last_persist: float | None = None
         # Version names continue after every one of this run's in the store and in the
         # agent's memory (a run id may be reused), and are never reused within the run.
@@ -265,11 +269,19 @@ class _Session:
         run's lock and the store's writer lease go."""
         try:
             self.engine.close(self.config.commit_timeout)
+            self.replace_placeholders(gone=True)
         finally:
             if self._run_lock is not None:
                 self._run_lock.release()
                 self._run_lock = None
             self._release_lease()
+
+    def replace_placeholders(self, gone: bool = False) -> None:
+        """Replaces DeepSpeed's placeholders of versions now committed in the store by the
+        committed files (see nebulite._save_dir)."""
+        if self.root and self.placeholders.waiting:
+            committed = {(e["tag"], e["version"]) for e in _store_entries(self.root)}
+            self.placeholders.replace_committed(self.root, committed, gone)
 
     def _release_lease(self) -> None:
         if self._lease is not None:
@@ -491,6 +503,10 @@ class Checkpoint:
         if self.tag == "":
             raise InvalidArgumentError("cannot save into the empty checkpoint handle (tag '')")
         _validate(name, "name")
+        caller = sys._getframe(1)
+        # DeepSpeed's engine wrote an empty placeholder at `path` for its own readers.
+        placeholder = (caller.f_locals.get("path")
+                       if caller.f_globals.get("__name__") in _FULL_UNPICKLING_CALLERS else None)
         with _lock:
             s = _require_session()
             if not s.coordinated:  # else raised by every rank at once, at the commit
@@ -520,9 +536,12 @@ class Checkpoint:
                 # budget for good), and the next save of the tag starts a new one.
                 s.engine.abandon(self.tag, v.version)
                 del s.open[self.tag]
+                s.placeholders.abandoned(self.tag)
                 raise
             del records
             v.names.append(name)
+            if isinstance(placeholder, str):
+                s.placeholders.saved(self.tag, name, placeholder)
             if self.num_files > 0 and len(v.names) >= self.num_files:
                 self._commit_locked(s)
 
@@ -533,6 +552,7 @@ class Checkpoint:
         with _lock:
             s = _require_session()
             s.raise_background_errors_together()
+            s.replace_placeholders()
             return self._commit_locked(s)
 
     def _commit_locked(self, s: _Session) -> bool:
@@ -567,9 +587,14 @@ class Checkpoint:
             # Rank 0's clock decides for everyone, rank 0 numbers the commit, and rank 0's
             # name for the version is everyone's (a rank that saved nothing, or whose
             # counter moved on a failed save, takes it).
-            due_all, must, seq, number, any_lost = _dist.all_reduce_max(
+            # Every rank must commit the same tag: the maximum of a digest and of its
+            # complement differ from one value and its complement when any rank's differs.
+            digest = zlib.crc32(self.tag.encode("utf-8"))
+            due_all, must, seq, number, any_lost, top, top_complement = _dist.all_reduce_max(
                 [int(due) if s.rank == 0 else 0, must_here, s.seq + 1 if s.rank == 0 else 0,
-                 mine if s.rank == 0 else 0, int(lost is not None)])
+                 mine if s.rank == 0 else 0, int(lost is not None), digest, 0xFFFFFFFF - digest])
+            if top + top_complement != 0xFFFFFFFF:
+                self._fail_mismatched_tags(s, v)
             if any_lost:
                 raise lost or StoreInUseError(
                     f"rank 0 lost the writer lease of {s.root}: another job writes there now")
@@ -589,10 +614,25 @@ class Checkpoint:
         persist = bool(s.root) and bool(due_all or must)
         s.seq = max(s.seq, seq)
         s.engine.commit(self.tag, v.version, seq, persist)
+        s.placeholders.committed(self.tag, v.version, s.rank, persist)
         if persist:
             s.last_persist = now
         del s.open[self.tag]
         return True
+
+    def _fail_mismatched_tags(self, s: _Session, v: _OpenVersion | None) -> None:
+        """The ranks committed different tags: every rank drops what it saved of its own
+        and raises the same error (one more collective, only in this case)."""
+        tags = _dist.all_gather(self.tag)
+        if v is not None:
+            s.engine.abandon(self.tag, v.version)
+        s.open.pop(self.tag, None)
+        s.placeholders.abandoned(self.tag)
+        named = ", ".join(f"rank {r}: {t!r}" for r, t in enumerate(tags))
+        raise TagMismatchError(
+            f"the ranks committed different tags ({named}); a checkpoint is one tag on every "
+            "rank, so nothing of this one is kept (with DeepSpeed, give every rank the same "
+            "tag, or set checkpoint.tag_validation to \"Fail\" to be stopped before saving)")
 
     # -- reading --------------------------------------------------------------
 
@@ -1042,6 +1082,8 @@ def flush_persistence(timeout: float | None = None) -> None:
         engine.flush(timeout if timeout is not None else s.config.commit_timeout)
     finally:
         s.raise_background_errors()
+    with _lock:
+        s.replace_placeholders()
 
 
 def _persist_versions(wanted: Iterable[tuple[str, str]]) -> None:

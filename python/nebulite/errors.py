@@ -16,6 +16,12 @@ class InvalidArgumentError(NebuliteError, ValueError):
     """A tag, name, path or option is not acceptable."""
 
 
+class TagMismatchError(InvalidArgumentError):
+    """The ranks of one job committed different tags in the same commit (DeepSpeed's
+    ``checkpoint.tag_validation`` set to ``Warn`` or ``Ignore`` allows it): that checkpoint
+    fails on every rank, naming each rank's tag, and nothing of it is kept."""
+
+
 class InvalidArgumentTypeError(InvalidArgumentError, TypeError):
     """An argument of the wrong type (an ``int`` where a path goes, say). It is a
     ``TypeError`` and, as every bad argument, an :class:`InvalidArgumentError`."""

@@ -18,6 +18,10 @@ MODES is a comma-separated list of:
              WORKDIR/export/ds_checkpoints (ZeRO 1's global_step6 copied out of nebulite).
   agent   -- (with NEBULITE_AGENT=1) ZeRO 2: saves and loads back in the same processes
              straight after save_checkpoint() returned, from the node agent's memory.
+  mixed_tags
+          -- ZeRO 1 with DeepSpeed's tag validation off ("Warn", then "Ignore"): each rank
+             calls save_checkpoint() with a tag of its own, which fails on every rank; then
+             a save with one tag on every rank commits.
   azure_save, azure_resume
           -- Azure's documented pattern: ds_config.json on disk with the nebula block,
              save_dir = persistent_storage_path, plain model_engine.save_checkpoint(save_dir)
@@ -280,6 +284,28 @@ class Rank:
         path, client = fresh.load_checkpoint(ds, tag="global_step2")
         r["explicit"] = [os.path.relpath(path, ds), self.loaded_matches(fresh, client, wants[2])]
         r["listed"] = [(e["tag"], e["tier"]) for e in nebulite.list_checkpoints()]
+        return r
+
+    def mixed_tags(self) -> dict[str, Any]:
+        import nebulite
+
+        base = os.path.join(self.workdir, "mixed")
+        ds = os.path.join(base, "ds")
+        r: dict[str, Any] = {"agent_pid": None, "errors": {}}
+        for validation in ("Warn", "Ignore"):
+            config = self.config(1, self.nebula_block(base))
+            config["checkpoint"] = {"tag_validation": validation}
+            eng = self.engine(config, MODEL_SEED)
+            r["agent_pid"] = nebulite.session_info()["agent_pid"]
+            self.train(eng, STEPS_PER_SAVE)
+            try:
+                eng.save_checkpoint(ds, tag=f"{validation}_rank{self.rank}")
+                r["errors"][validation] = None
+            except nebulite.NebuliteError as e:
+                r["errors"][validation] = [type(e).__name__, str(e)]
+        eng.save_checkpoint(ds, tag="agreed")
+        nebulite.flush_persistence()
+        r["listed"] = [e["tag"] for e in nebulite.list_checkpoints(os.path.join(base, "nebula"))]
         return r
 
     def azure_config(self) -> tuple[str, str]:
