@@ -254,7 +254,7 @@ def test_retention_across_two_ranks(store):
 def rank_dies_run(tmp_path_factory):
     """Two plain processes (explicit rank/world_size, no torch.distributed): both commit
     and flush t1 and t2; rank 1 saves t3 and exits without committing it; rank 0 commits
-    t3 and flushes with a 3 s timeout (commit_timeout=2)."""
+    t3 and flushes, which fails once its commit timeout (2 s) is over."""
     store = str(tmp_path_factory.mktemp("rank_dies") / "ckpt")
     env = _child_env(NEBULITE_RUN_ID="rankdies01")
     results = _run_ranks("plain", store, 2, env=env)
