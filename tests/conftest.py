@@ -24,8 +24,9 @@ os.environ["NEBULITE_AGENT"] = "0"
 SUITE_MARK = "NEBULITE_TEST_SUITE_ID"
 os.environ[SUITE_MARK] = f"{os.getpid()}-{uuid.uuid4().hex}"
 
-#: How long a killed agent may take to be gone: only bounds a hang (it takes milliseconds).
-GONE_TIMEOUT = 120.0
+#: The tests' timeouts bound a hang, nothing else: what they wait for comes in seconds or
+#: less on an idle machine, and many times later on a busy one. A test asserts behaviour.
+HANG_TIMEOUT = 600.0
 
 
 @pytest.fixture(autouse=True)
@@ -115,7 +116,7 @@ def kill_processes(procs: list[psutil.Process]) -> None:
             proc.kill()
         except psutil.NoSuchProcess:
             pass
-    psutil.wait_procs(procs, timeout=GONE_TIMEOUT)
+    psutil.wait_procs(procs, timeout=HANG_TIMEOUT)
 
 
 def kill_agents_of(rt: Path | str) -> None:

@@ -21,9 +21,7 @@ import torch
 import nebulite
 from nebulite.agent import client, protocol
 
-#: Bounds a hang only: each wait below is for something that comes in milliseconds, many
-#: times that on a busy machine.
-HANG_TIMEOUT = 600
+from conftest import HANG_TIMEOUT
 
 
 def _child(code: str, env_extra: dict[str, str] | None = None, timeout: float = HANG_TIMEOUT):

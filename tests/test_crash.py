@@ -27,12 +27,10 @@ from nebulite import _core
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "crash_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
 import crash_worker  # noqa: E402  (expected values shared with the worker)
+from conftest import HANG_TIMEOUT  # noqa: E402
 
 RETENTION = crash_worker.RETENTION
 NAMES = ("model", "optim")
-
-#: Bounds a hang only: a worker's run takes seconds, many times that on a busy machine.
-HANG_TIMEOUT = 900
 
 
 def _child_env(**extra: str) -> dict[str, str]:

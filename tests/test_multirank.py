@@ -25,10 +25,7 @@ from nebulite import _core
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "dist_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
 import dist_worker  # noqa: E402  (expected values shared with the workers)
-from conftest import remove_runtime_dir  # noqa: E402
-
-#: Bounds a hang only: a worker takes seconds, many times that on a busy machine.
-TIMEOUT = 900
+from conftest import HANG_TIMEOUT, remove_runtime_dir  # noqa: E402
 
 
 def _free_port() -> int:
@@ -62,7 +59,7 @@ def _run_ranks(mode: str, store: str, world: int, *args: object, env: dict[str, 
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=TIMEOUT))
+            outs.append(p.communicate(timeout=HANG_TIMEOUT))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -219,7 +216,7 @@ def test_two_nodes_launched_by_torchrun(tmp_path):
                  "--master-addr", "127.0.0.1", "--master-port", str(master), entry, store, str(out)],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         for p in procs:
-            log, _ = p.communicate(timeout=TIMEOUT)
+            log, _ = p.communicate(timeout=HANG_TIMEOUT)
             assert p.returncode == 0, log[-3000:]
     finally:
         for p in procs:
@@ -348,7 +345,7 @@ def test_every_rank_of_a_second_job_is_refused_together(store):
         assert run_id
         results = _run_ranks("init_only", store, 2)
     finally:
-        holder.communicate("\n", timeout=TIMEOUT)
+        holder.communicate("\n", timeout=HANG_TIMEOUT)
     for r in results:
         assert r["raised"] and r["raised"].startswith("StoreInUseError"), r
         assert f"run {run_id}" in r["raised"], r
