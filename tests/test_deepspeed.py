@@ -30,7 +30,7 @@ import torch
 import nebulite
 import nebulite.api
 
-from conftest import remove_runtime_dir
+from conftest import HANG_TIMEOUT, remove_runtime_dir
 
 pytest.importorskip("deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine",
                     reason="needs DeepSpeed with its Nebula engine (0.18.4 to 0.19.6)")
@@ -40,7 +40,7 @@ from deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine import NebulaC
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "deepspeed_worker.py")
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "deepspeed.md"
-TIMEOUT = 300
+TIMEOUT = HANG_TIMEOUT
 STAGES = (0, 1, 2)
 MODEL = "mp_rank_00_model_states.pt"
 
