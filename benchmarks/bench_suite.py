@@ -36,6 +36,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
 from suite import pagecache, report, workloads  # noqa: E402
+from suite.agents import stop_agents  # noqa: E402
 from suite.link import ENV as LINK_ENV  # noqa: E402
 from suite.link import PREFIX  # noqa: E402
 from suite.monitor import PeakSampler, tree_pss  # noqa: E402
@@ -186,20 +187,6 @@ class Runner:
         p.stdin.flush()
 
 
-def _stop(pid: int | None) -> None:
-    """Stops an agent this suite started (by its pid) and waits until it is gone."""
-    if not pid:
-        return
-    try:
-        proc = psutil.Process(pid)
-        proc.send_signal(signal.SIGTERM)
-        proc.wait(timeout=60)
-    except psutil.NoSuchProcess:
-        pass
-    except psutil.TimeoutExpired:
-        proc.kill()
-
-
 def _rm(path: str) -> None:
     if os.path.isdir(path):
         shutil.rmtree(path, ignore_errors=True)
@@ -253,7 +240,6 @@ def run_workload(runner: Runner, name: str, args: argparse.Namespace, work: str)
     families: dict[str, Any] = {}
     loads: dict[str, Any] = {}
     cold = ""
-    agent_pid = None
 
     def load(kind: str, target: dict[str, str], make_cold: bool = True) -> None:
         """args.load_reps loads, each in a fresh process (cold: after evicting the files);
@@ -300,12 +286,10 @@ def run_workload(runner: Runner, name: str, args: argparse.Namespace, work: str)
 
         print(f"{name}: nebulite agent", flush=True)
         families["nebulite-agent"] = runner.run("worker", dict(base, family="nebulite-agent"), env)
-        agent_pid = families["nebulite-agent"].get("agent_pid")
         load("nebulite-agent", {"root": families["nebulite-agent"]["root"]}, make_cold=False)
     finally:
-        _stop(agent_pid)
+        stop_agents(runtime)
         shutil.rmtree(wdir, ignore_errors=True)
-        shutil.rmtree(runtime, ignore_errors=True)
     return families, loads, cold
 
 
@@ -345,8 +329,8 @@ def run_resume(runner: Runner, args: argparse.Namespace, work: str) -> dict[str,
                                     fingerprint=saved[r]["fingerprint"]) for r in range(world)], env)
                 out[kind].append({"ranks": ranks, "cold": cold})
     finally:
+        stop_agents(runtime)
         shutil.rmtree(rdir, ignore_errors=True)
-        shutil.rmtree(runtime, ignore_errors=True)
     return out
 
 
@@ -498,7 +482,7 @@ def main() -> int:
                                "memory_factor": args.memory_factor},
                     {"NEBULITE_RUNTIME_DIR": runtime})
             finally:
-                shutil.rmtree(runtime, ignore_errors=True)
+                stop_agents(runtime)
         # Measured again at the end: each limit is the better of the two (the machine may be
         # shared, and a limit measured while others ran would flatter the candidates).
         if not args.smoke:

@@ -36,6 +36,7 @@ import nebulite as nm  # noqa: E402
 from nebulite import _core  # noqa: E402
 from nebulite import _serialization as ser  # noqa: E402
 from suite import limits, workloads  # noqa: E402
+from suite.agents import stop_agents  # noqa: E402
 from suite.worker import arena_bytes  # noqa: E402
 
 GB = 1e9
@@ -90,8 +91,9 @@ def main() -> int:
                     args.reps)
     show("3. flatten (torch serializer -> records), all objects", t, nbytes)
 
-    with tempfile.TemporaryDirectory(prefix="nbrt-") as runtime:
-        os.environ["NEBULITE_RUNTIME_DIR"] = runtime
+    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
+    os.environ["NEBULITE_RUNTIME_DIR"] = runtime
+    try:
         for mode in ["embedded"] + ([] if args.no_agent else ["agent"]):
             root = tempfile.mkdtemp(prefix="profile-save-", dir=args.store) if args.store else None
             nm.init(root, agent=mode == "agent", memory_buffer_size=2 * arena_bytes(nbytes, 1.02),
@@ -156,6 +158,8 @@ def main() -> int:
             nm.shutdown()
             if root:
                 shutil.rmtree(root, ignore_errors=True)
+    finally:
+        stop_agents(runtime)  # the agent would outlive this program until its idle exit
     return 0
 
 

@@ -5,10 +5,11 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
-import signal
 import tempfile
+import uuid
 from pathlib import Path
 
+import psutil
 import pytest
 
 import nebulite.api
@@ -22,6 +23,16 @@ ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 # a test asks for the node agent, the default of init(): tests/test_agent.py and the
 # multi-node tests do. Set for the whole session, so module-scoped fixtures see it too.
 os.environ["NEBULITE_AGENT"] = "0"
+
+# Every process this test run starts inherits this mark (agents too: trainers start them
+# with their own environment), so that the agents it started, and only those, can be found
+# at the end, however many other runs share the machine.
+SUITE_MARK = "NEBULITE_TEST_SUITE_ID"
+os.environ[SUITE_MARK] = f"{os.getpid()}-{uuid.uuid4().hex}"
+
+#: The tests' timeouts bound a hang, nothing else: what they wait for comes in seconds or
+#: less on an idle machine, and many times later on a busy one. A test asserts behaviour.
+HANG_TIMEOUT = 600.0
 
 
 @pytest.fixture(autouse=True)
@@ -63,21 +74,104 @@ def agent_env(tmp_path, monkeypatch):
     rt = Path(tempfile.mkdtemp(prefix="nbrt-"))  # short: Unix socket paths are limited
     monkeypatch.setenv("NEBULITE_RUNTIME_DIR", str(rt))
     yield rt
+    remove_runtime_dir(rt)
+
+
+def _is_agent(cmdline: list[str]) -> bool:
+    """`python -m nebulite.agent ...` (started by a trainer), or `nebulite agent ...` /
+    `python -m nebulite.cli agent ...` (started by hand)."""
+    for i, arg in enumerate(cmdline):
+        if arg == "nebulite.agent":
+            return True
+        if os.path.basename(arg) in ("nebulite", "nebulite.cli") and cmdline[i + 1:i + 2] == ["agent"]:
+            return True
+    return False
+
+
+def agents_started_here() -> list[psutil.Process]:
+    """The live node agents that this test run started (carrying its mark)."""
+    mark = os.environ[SUITE_MARK]
+    found = []
+    for proc in psutil.process_iter(["cmdline", "status"]):
+        try:
+            if (proc.info["status"] != psutil.STATUS_ZOMBIE and _is_agent(proc.info["cmdline"] or [])
+                    and proc.environ().get(SUITE_MARK) == mark):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            pass
+    return found
+
+
+def _serves_in(proc: psutil.Process, rt: str) -> bool:
+    """Whether agent `proc` listens in runtime directory `rt` (its --socket, or, started
+    by hand without one, its NEBULITE_RUNTIME_DIR)."""
+    try:
+        cmdline = proc.cmdline()
+        if "--socket" in cmdline:
+            sock = cmdline[cmdline.index("--socket") + 1]
+            return os.path.dirname(os.path.realpath(sock)) == rt
+        return os.path.realpath(proc.environ().get("NEBULITE_RUNTIME_DIR", "")) == rt
+    except (psutil.NoSuchProcess, psutil.AccessDenied, IndexError):
+        return False
+
+
+def kill_processes(procs: list[psutil.Process]) -> None:
+    """SIGKILLs `procs` and waits until they are gone."""
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(procs, timeout=HANG_TIMEOUT)
+
+
+def kill_agents_of(rt: Path | str) -> None:
+    """Kills the agents of this test run that serve in runtime directory `rt`, and waits
+    until they are gone (also one that has not yet said it is serving)."""
+    rt = os.path.realpath(rt)
+    kill_processes([p for p in agents_started_here() if _serves_in(p, rt)])
+
+
+def remove_runtime_dir(rt: Path | str) -> None:
+    """Kills the agents of runtime directory `rt`, then removes it."""
     kill_agents_of(rt)
     shutil.rmtree(rt, ignore_errors=True)
 
 
-def kill_agents_of(rt: Path) -> None:
-    """Kills the agents whose logs are in runtime directory `rt`."""
-    for log in rt.glob("agent-*.log"):
-        for line in log.read_text().splitlines():
-            if "nebulite agent" in line and "serving" in line:
-                pid = int(line.split("nebulite agent ")[1].split()[0])
-                try:
-                    os.kill(pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
-                try:
-                    os.waitpid(pid, 0)  # an agent re-parented to this process
-                except ChildProcessError:
-                    pass
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Fails the run if an agent it started is still alive: each test kills what it started
+    (an idle exit is no way to clean up: on a busy machine it comes late). The agents left
+    behind are listed, then killed."""
+    alive = agents_started_here()
+    lines = []
+    for proc in alive:
+        try:
+            lines.append(f"pid {proc.pid}: {' '.join(proc.cmdline())}")
+        except psutil.NoSuchProcess:
+            pass
+    kill_processes(alive)
+    if lines:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        text = "nebulite agents started by the tests were still running at the end (now killed):"
+        if reporter is not None:
+            reporter.write_sep("=", "agents left behind", red=True)
+            reporter.write_line(text)
+            for line in lines:
+                reporter.write_line("  " + line)
+        else:
+            print(text, *lines, sep="\n")
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+@pytest.fixture
+def new_agents():
+    """A function listing the agents of this test run started since the test began; those
+    still alive at its end are killed (a program the test ran, killed when it hung, could
+    not stop its own)."""
+    before = {p.pid for p in agents_started_here()}
+
+    def started() -> list[psutil.Process]:
+        return [p for p in agents_started_here() if p.pid not in before]
+
+    yield started
+    kill_processes(started())

@@ -21,8 +21,10 @@ import torch
 import nebulite
 from nebulite.agent import client, protocol
 
+from conftest import HANG_TIMEOUT
 
-def _child(code: str, env_extra: dict[str, str] | None = None, timeout: float = 120):
+
+def _child(code: str, env_extra: dict[str, str] | None = None, timeout: float = HANG_TIMEOUT):
     env = dict(os.environ, **(env_extra or {}))
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env,
                           capture_output=True, text=True, timeout=timeout)
@@ -62,17 +64,17 @@ def test_an_agent_started_by_hand_serves_the_trainers(agent_env, store):
     agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         path = client.socket_path(store)
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + HANG_TIMEOUT
         while not os.path.exists(path) and time.monotonic() < deadline:
             time.sleep(0.05)
-        second = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+        second = subprocess.run(cmd, capture_output=True, text=True, timeout=HANG_TIMEOUT)
         assert second.returncode == 1 and "already serves" in second.stderr
         nebulite.init(persistent_storage_path=store, agent=True)
         assert nebulite.session_info()["agent_pid"] == agent.pid
         assert nebulite.session_info()["memory_capacity"] == 64 << 20
         nebulite.Checkpoint("a").save("x", torch.ones(4))
         nebulite.shutdown()
-        assert agent.wait(timeout=60) == 0  # idle: nothing left to persist, nobody attached
+        assert agent.wait(timeout=HANG_TIMEOUT) == 0  # idle: nothing left to persist, nobody attached
         assert _committed(store) == ["a"]
     finally:
         if agent.poll() is None:
@@ -143,7 +145,7 @@ def test_the_agent_commits_after_the_trainer_is_killed(agent_env, store):
     """
     r = _child(code)
     assert r.returncode == -signal.SIGKILL
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_TIMEOUT
     while "last" not in _committed(store) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert _committed(store) == ["last"]
@@ -166,7 +168,7 @@ def test_one_agent_for_many_trainers_starting_at_once(agent_env, store):
              for _ in range(8)]
     pids = set()
     for p in procs:
-        out, err = p.communicate(timeout=120)
+        out, err = p.communicate(timeout=HANG_TIMEOUT)
         assert p.returncode == 0, err
         pids.add(int(out.strip().splitlines()[-1]))
     assert len(pids) == 1
@@ -181,7 +183,7 @@ def test_a_trainer_dying_mid_staging_leaves_nothing(agent_env, store):
                 records=[["data.pkl", 10], ["data/0", 1 << 20]])
     assert engine.memory_used > 1 << 20
     sock.close()  # the writer dies before sealing
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + HANG_TIMEOUT
     while engine.memory_used and time.monotonic() < deadline:
         time.sleep(0.02)
     assert engine.memory_used == 0
@@ -206,7 +208,7 @@ def test_a_trainer_killed_between_the_saves_of_a_checkpoint_leaves_nothing(agent
     agent_pid = int(out.stdout.split()[0])
     nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20)
     assert nebulite.session_info()["agent_pid"] == agent_pid
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_TIMEOUT
     while os.path.exists(os.path.join(store, "half")) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not os.path.exists(os.path.join(store, "half"))
@@ -221,7 +223,7 @@ def test_a_dead_run_is_alive_while_its_agent_works_for_it(agent_env, store):
     run = nebulite.api._session.run_id
     assert nebulite._core.run_is_alive(store, run)
     nebulite.shutdown()  # this trainer lets go; the agent lets go once it is idle
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_TIMEOUT
     while nebulite._core.run_is_alive(store, run) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not nebulite._core.run_is_alive(store, run)
@@ -272,7 +274,7 @@ def test_the_agent_exits_when_idle(agent_env, store):
     pid = nebulite.api._session.engine.agent_pid
     nebulite.Checkpoint("a").save("x", torch.ones(3))
     nebulite.shutdown()  # the trainer detaches; the agent persists, then leaves
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_TIMEOUT
     while time.monotonic() < deadline:
         if client._process_state(pid) in (None, "Z", "X"):
             break  # exited (a zombie until the subreaper, here this process, reaps it)
@@ -289,7 +291,7 @@ def test_killing_the_agent_mid_persist_never_exposes_a_torn_checkpoint(agent_env
     nebulite.flush_persistence()
     big = torch.full((60_000_000,), 2.0)  # 240 MB: persisting takes a while
     nebulite.Checkpoint("big").save("x", big)
-    deadline = time.monotonic() + 30
+    deadline = time.monotonic() + HANG_TIMEOUT
     killed = False
     while time.monotonic() < deadline:
         # The data file is being written (under its temporary name; it gets its own name

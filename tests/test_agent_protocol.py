@@ -17,6 +17,7 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import HANG_TIMEOUT
 
 from nebulite import _core, errors
 from nebulite.agent import client, protocol, server
@@ -69,7 +70,7 @@ class _Served:
 
     def close(self) -> None:
         self.sock.close()
-        self.thread.join(timeout=60)
+        self.thread.join(timeout=HANG_TIMEOUT)
         assert not self.thread.is_alive()
 
 
@@ -219,7 +220,7 @@ def test_the_trainer_is_told_when_history_rows_were_left_out(make_agent, monkeyp
         engine.close(10)
     finally:
         trainer.close()
-        serving.join(timeout=60)
+        serving.join(timeout=HANG_TIMEOUT)
 
 
 def test_any_reply_over_the_limit_becomes_an_error_reply(make_agent, connect, monkeypatch):
@@ -293,7 +294,7 @@ def test_a_pin_never_waits_for_a_writer():
         e.close(10)
     """
     r = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                       text=True, timeout=120)
+                       text=True, timeout=HANG_TIMEOUT)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "refused"
 

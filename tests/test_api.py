@@ -14,6 +14,8 @@ import nebulite
 import nebulite.api
 from nebulite import NotFoundError
 
+from conftest import HANG_TIMEOUT
+
 MIB = 1024 * 1024
 
 
@@ -574,12 +576,12 @@ def test_init_removes_only_dead_runs_uncommitted_versions(store, monkeypatch, tm
     # one lives: it opts into sharing the store (else it is refused, see test_store_lease.py).
     env = dict(os.environ, NEBULITE_RUN_ID="other2", NEBULITE_SHARED_STORE="1")
     code = f"import nebulite; nebulite.init(persistent_storage_path={store!r})"
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=HANG_TIMEOUT)
     assert os.path.exists(live), "a live run's version in progress was deleted"
     assert os.path.exists(dead), "a version changed within the grace period was deleted"
     # Past the grace period, the dead run's leftover goes; the live run's version stays.
     env["NEBULITE_DEAD_RUN_GRACE"] = "0"
-    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=HANG_TIMEOUT)
     assert os.path.exists(live), "a live run's version in progress was deleted"
     assert not os.path.exists(dead), "a dead run's leftover was kept"
 

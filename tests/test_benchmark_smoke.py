@@ -4,21 +4,46 @@
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
+from typing import Callable
+
+import psutil
+import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
+#: Bounds a hang only: each program takes a minute or two on an idle 2-core machine, and
+#: several times that on a busy one.
+HANG_TIMEOUT = 3600
 
-def test_bench_suite_smoke(tmp_path: Path) -> None:
+
+def _run(args: list[str]) -> subprocess.CompletedProcess:
+    """Runs a benchmark program; one that hangs is killed with every worker it started."""
+    with subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True, start_new_session=True) as p:
+        try:
+            out, err = p.communicate(timeout=HANG_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            os.killpg(p.pid, signal.SIGKILL)
+            out, err = p.communicate()
+            pytest.fail(f"{args[0]} hung:\n{out[-3000:]}{err[-3000:]}")
+    return subprocess.CompletedProcess(p.args, p.returncode, out, err)
+
+
+def _assert_agents_stopped(new_agents: Callable[[], list[psutil.Process]]) -> None:
+    """The program stopped every node agent it started."""
+    assert new_agents() == [], [" ".join(p.cmdline()) for p in new_agents()]
+
+
+def test_bench_suite_smoke(tmp_path: Path, new_agents: Callable[[], list[psutil.Process]]) -> None:
     out = tmp_path / "results"
     work = tmp_path / "work"
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "bench_suite.py"), "--smoke", "--dir", str(work), "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
+    result = _run([str(BENCH / "bench_suite.py"), "--smoke", "--dir", str(work), "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "blocking time per save" in result.stdout and "targets" in result.stdout
     data = json.loads((out / "latest.json").read_text())
@@ -40,18 +65,16 @@ def test_bench_suite_smoke(tmp_path: Path) -> None:
     assert data["targets"] and (out / "latest.png").stat().st_size > 0
     # the suite cleans up after itself: no bench files, no agent left behind
     assert not any(work.iterdir())
+    _assert_agents_stopped(new_agents)
 
 
-def test_bench_suite_resume_smoke(tmp_path: Path) -> None:
+def test_bench_suite_resume_smoke(tmp_path: Path, new_agents: Callable[[], list[psutil.Process]]) -> None:
     """The resume workload with 2 ranks of 1 MiB: every rank resumes its own shard with
     nebulite and with DCP, and the result holds what the table, targets and plot need."""
     out = tmp_path / "results"
     work = tmp_path / "work"
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "bench_suite.py"), "--smoke", "--workloads", "resume", "--no-train",
-         "--dir", str(work), "--out", str(out)],
-        capture_output=True, text=True, timeout=300,
-    )
+    result = _run([str(BENCH / "bench_suite.py"), "--smoke", "--workloads", "resume", "--no-train",
+                   "--dir", str(work), "--out", str(out)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "resume time, s" in result.stdout and "bytes read (rchar) / own share" in result.stdout
     data = json.loads((out / "latest.json").read_text())
@@ -84,22 +107,18 @@ def test_bench_suite_resume_smoke(tmp_path: Path) -> None:
     assert len(rows) == 3 and all(t["single"] and t["value"] > 0 for t in rows)
     assert (out / "latest.png").stat().st_size > 0
     assert not any(work.iterdir())
+    _assert_agents_stopped(new_agents)
 
 
 def test_profile_load_smoke(tmp_path: Path) -> None:
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "profile_load.py"), "--workload", "syn-tiny", "--dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=120,
-    )
+    result = _run([str(BENCH / "profile_load.py"), "--workload", "syn-tiny", "--dir", str(tmp_path)])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "get_latest_checkpoint" in result.stdout and "O_DIRECT" in result.stdout
     assert not any(tmp_path.iterdir())
 
 
-def test_profile_save_smoke() -> None:
-    result = subprocess.run(
-        [sys.executable, str(BENCH / "profile_save.py"), "--workload", "syn-tiny", "--reps", "1"],
-        capture_output=True, text=True, timeout=120,
-    )
+def test_profile_save_smoke(new_agents: Callable[[], list[psutil.Process]]) -> None:
+    result = _run([str(BENCH / "profile_save.py"), "--workload", "syn-tiny", "--reps", "1"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "copy engine" in result.stdout and "(agent)" in result.stdout
+    _assert_agents_stopped(new_agents)

@@ -27,6 +27,7 @@ from nebulite import _core
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "crash_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
 import crash_worker  # noqa: E402  (expected values shared with the worker)
+from conftest import HANG_TIMEOUT  # noqa: E402
 
 RETENTION = crash_worker.RETENTION
 NAMES = ("model", "optim")
@@ -72,15 +73,15 @@ class Run:
                 self.proc.send_signal(signal.SIGKILL)
                 self._kill_on = None
 
-    def wait(self, timeout: float = 120) -> int:
+    def wait(self, timeout: float = HANG_TIMEOUT) -> int:
         try:
             rc = self.proc.wait(timeout=timeout)
         finally:
             if self.proc.poll() is None:
                 self.proc.kill()
                 self.proc.wait()
-        self._t_out.join(10)
-        self._t_err.join(10)
+        self._t_out.join(HANG_TIMEOUT)  # its output ends with it
+        self._t_err.join(HANG_TIMEOUT)
         return rc
 
     @property
@@ -239,7 +240,7 @@ def test_kill_while_a_step_is_being_persisted(store, at_least):
     # Never flushed: the parent kills the child as soon as a data file of a step >= at_least
     # exists without its commit marker, i.e. in the middle of persisting it.
     run = Run(store, 0, 29, 0)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_TIMEOUT
     seen = None
     while run.proc.poll() is None and time.monotonic() < deadline:
         seen = _persisting_step(store, at_least)
@@ -286,7 +287,7 @@ def restarted(tmp_path_factory):
     # First run: flushes every 3 steps; the parent SIGKILLs it while it is persisting a
     # step >= 6 (as soon as that step's first data file appears, before its marker).
     run1 = Run(store, 0, 29, 3)
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + HANG_TIMEOUT
     while run1.proc.poll() is None and time.monotonic() < deadline:
         if _persisting_step(store, at_least=6) is not None:
             run1.proc.send_signal(signal.SIGKILL)
@@ -335,7 +336,7 @@ def test_restart_after_crash_keeps_saving_into_the_same_path(restarted):
         "print(ck.tag)\n"
     )
     out = subprocess.run([sys.executable, "-c", code, store, os.path.dirname(WORKER)],
-                         env=_child_env(), capture_output=True, text=True, timeout=120)
+                         env=_child_env(), capture_output=True, text=True, timeout=HANG_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == f"step{last}"
 

@@ -20,6 +20,7 @@ import zlib
 from pathlib import Path
 
 import pytest
+from conftest import HANG_TIMEOUT
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -148,7 +149,7 @@ def test_no_crash_hang_or_huge_allocation(tmp_path):
     env["PYTHONPATH"] = os.pathsep.join(p for p in [str(Path(nm.__file__).parent.parent), env.get("PYTHONPATH")] if p)
     proc = subprocess.run(
         [sys.executable, "-c", child, str(tmp_path), *CASES, "valid"],
-        capture_output=True, text=True, timeout=120, env=env,
+        capture_output=True, text=True, timeout=HANG_TIMEOUT, env=env,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     got = json.loads(proc.stdout.strip().splitlines()[-1])

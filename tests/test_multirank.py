@@ -25,8 +25,7 @@ from nebulite import _core
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "dist_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
 import dist_worker  # noqa: E402  (expected values shared with the workers)
-
-TIMEOUT = 120
+from conftest import HANG_TIMEOUT, remove_runtime_dir  # noqa: E402
 
 
 def _free_port() -> int:
@@ -60,7 +59,7 @@ def _run_ranks(mode: str, store: str, world: int, *args: object, env: dict[str, 
     outs = []
     try:
         for p in procs:
-            outs.append(p.communicate(timeout=TIMEOUT))
+            outs.append(p.communicate(timeout=HANG_TIMEOUT))
     finally:
         for p in procs:
             if p.poll() is None:
@@ -160,13 +159,15 @@ def test_with_the_agent_every_rank_loads_rank0_model_straight_after_commit(tmp_p
     store = str(tmp_path / "ckpt")
     runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
     env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime, NEBULITE_AGENT_IDLE_EXIT="1")
-    results = _run_ranks("dist", store, 2, 3, 0, env=env)
+    try:
+        results = _run_ranks("dist", store, 2, 3, 0, env=env)
+    finally:
+        remove_runtime_dir(runtime)
     for r in results:
         assert r["model_before_flush"] == ["ok"] * 3, (r["rank"], r["model_before_flush"])
         assert r["loaded"] == ["t1", "t2", "t3"]
     nebulite.api._reset_for_tests()
     _assert_loadable(store, "t3", 2, 3)
-    shutil.rmtree(runtime, ignore_errors=True)
 
 
 def _assert_two_nodes(results: list[dict], store: str) -> None:
@@ -189,8 +190,11 @@ def test_two_simulated_nodes_each_with_its_agent(tmp_path):
     runtime = tempfile.mkdtemp(prefix="nbrt-")
     env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime, NEBULITE_AGENT_IDLE_EXIT="1",
                      NEBULITE_TEST_RANKS_PER_NODE="2")
-    _assert_two_nodes(_run_ranks("dist", store, 4, 2, 0, env=env), store)
-    shutil.rmtree(runtime, ignore_errors=True)
+    try:
+        results = _run_ranks("dist", store, 4, 2, 0, env=env)
+    finally:
+        remove_runtime_dir(runtime)
+    _assert_two_nodes(results, store)
 
 
 def test_two_nodes_launched_by_torchrun(tmp_path):
@@ -202,19 +206,25 @@ def test_two_nodes_launched_by_torchrun(tmp_path):
     torchrun = os.path.join(os.path.dirname(sys.executable), "torchrun")
     entry = os.path.join(os.path.dirname(__file__), "workers", "torchrun_entry.py")
     procs = []
-    for node in (0, 1):
-        env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime,
-                         NEBULITE_AGENT_IDLE_EXIT="1", NEBULITE_NODE_ID=f"node{node}",
-                         TEST_PG_PORT=str(pg))
-        procs.append(subprocess.Popen(
-            [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
-             "--master-addr", "127.0.0.1", "--master-port", str(master), entry, store, str(out)],
-            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    for p in procs:
-        log, _ = p.communicate(timeout=300)
-        assert p.returncode == 0, log[-3000:]
+    try:
+        for node in (0, 1):
+            env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime,
+                             NEBULITE_AGENT_IDLE_EXIT="1", NEBULITE_NODE_ID=f"node{node}",
+                             TEST_PG_PORT=str(pg))
+            procs.append(subprocess.Popen(
+                [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
+                 "--master-addr", "127.0.0.1", "--master-port", str(master), entry, store, str(out)],
+                env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        for p in procs:
+            log, _ = p.communicate(timeout=HANG_TIMEOUT)
+            assert p.returncode == 0, log[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+        remove_runtime_dir(runtime)
     _assert_two_nodes([json.loads((out / f"rank{r}.json").read_text()) for r in range(4)], store)
-    shutil.rmtree(runtime, ignore_errors=True)
 
 
 def test_retention_across_two_ranks(store):
@@ -241,7 +251,7 @@ def test_retention_across_two_ranks(store):
 def rank_dies_run(tmp_path_factory):
     """Two plain processes (explicit rank/world_size, no torch.distributed): both commit
     and flush t1 and t2; rank 1 saves t3 and exits without committing it; rank 0 commits
-    t3 and flushes with a 3 s timeout (commit_timeout=2)."""
+    t3 and flushes, which fails once its commit timeout (2 s) is over."""
     store = str(tmp_path_factory.mktemp("rank_dies") / "ckpt")
     env = _child_env(NEBULITE_RUN_ID="rankdies01")
     results = _run_ranks("plain", store, 2, env=env)
@@ -254,8 +264,10 @@ def test_tag_not_committed_when_a_rank_never_commits(rank_dies_run):
     # failure surfaces from flush_persistence.
     assert r0["flush_error"] is not None, "flush_persistence returned although t3 cannot be committed"
     assert "PersistError" in r0["flush_error"] and "t3" in r0["flush_error"], r0["flush_error"]
-    assert r0["flush_seconds"] < 10
-    assert r0["shutdown_seconds"] < 10
+    # Given up after its commit_timeout, not after the default one (600 s); generous bounds,
+    # for a busy machine: they tell a hang from a wait, not fast from slow.
+    assert r0["flush_seconds"] < 300
+    assert r0["shutdown_seconds"] < 300
 
     nebulite.api._reset_for_tests()
     tags = [e["tag"] for e in nebulite.list_checkpoints(store)]
@@ -333,7 +345,7 @@ def test_every_rank_of_a_second_job_is_refused_together(store):
         assert run_id
         results = _run_ranks("init_only", store, 2)
     finally:
-        holder.communicate("\n", timeout=TIMEOUT)
+        holder.communicate("\n", timeout=HANG_TIMEOUT)
     for r in results:
         assert r["raised"] and r["raised"].startswith("StoreInUseError"), r
         assert f"run {run_id}" in r["raised"], r

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import HANG_TIMEOUT
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 BLOCKS = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
@@ -26,6 +27,6 @@ def test_readme_example_runs(index: int, tmp_path: Path) -> None:
     env.pop("NEBULA_PERSISTENT_STORAGE_PATH", None)
     result = subprocess.run(
         [sys.executable, str(script)], cwd=tmp_path, env=env, capture_output=True, text=True,
-        timeout=120,
+        timeout=HANG_TIMEOUT,
     )
     assert result.returncode == 0, result.stderr

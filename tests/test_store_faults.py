@@ -17,6 +17,8 @@ import nebulite
 import nebulite.api
 from nebulite import _core
 
+from conftest import HANG_TIMEOUT
+
 
 def _state(value: float) -> dict:
     return {"w": torch.full((64, 64), float(value)), "step": int(value)}
@@ -33,7 +35,7 @@ def _run_python(code: str, *args: str) -> subprocess.CompletedProcess:
     pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(nebulite.__file__)))
     env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in [env.get("PYTHONPATH")] if p])
     return subprocess.run(_unprivileged() + [sys.executable, "-c", textwrap.dedent(code), *args],
-                          env=env, capture_output=True, text=True, timeout=120)
+                          env=env, capture_output=True, text=True, timeout=HANG_TIMEOUT)
 
 
 def _saved_store(store: str, steps: int = 2, retention: int = 0) -> None:
@@ -155,7 +157,7 @@ def test_a_data_file_that_could_not_be_read_once_is_found_again(store):
             stderr=subprocess.PIPE, text=True)
         first = proc.stdout.readline().strip()
         os.chmod(path, 0o644)
-        rest, err = proc.communicate("go\n", timeout=120)
+        rest, err = proc.communicate("go\n", timeout=HANG_TIMEOUT)
     finally:
         os.chmod(path, 0o644)
     assert proc.returncode == 0, err[-3000:]

@@ -13,6 +13,7 @@ import textwrap
 import time
 
 import pytest
+from conftest import HANG_TIMEOUT
 import torch
 
 import nebulite
@@ -63,23 +64,23 @@ class _Holder:
         line = self.proc.stdout.readline().strip()  # the pipe closes if it fails: no hang
         if not line:
             self.proc.kill()
-            raise AssertionError(f"the first job failed: {self.proc.communicate(timeout=60)[1][-3000:]}")
+            raise AssertionError(f"the first job failed: {self.proc.communicate(timeout=HANG_TIMEOUT)[1][-3000:]}")
         self.run_id = line
 
     def finish(self) -> None:
         if self.proc.poll() is None:
             self.proc.stdin.write("\n")
             self.proc.stdin.flush()
-        self.proc.communicate(timeout=120)
+        self.proc.communicate(timeout=HANG_TIMEOUT)
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
-        self.proc.communicate(timeout=60)
+        self.proc.communicate(timeout=HANG_TIMEOUT)
 
 
 def _second(store: str, options: str = "{}", **env: str) -> str:
     out = subprocess.run([sys.executable, "-c", textwrap.dedent(_SECOND), store, options],
-                         env=_env(**env), capture_output=True, text=True, timeout=120)
+                         env=_env(**env), capture_output=True, text=True, timeout=HANG_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     return out.stdout.strip()
 
@@ -110,7 +111,7 @@ def test_a_second_job_is_refused_at_init_naming_the_first(store, agent, request)
         ck = nebulite.get_latest_checkpoint(persist_path=store)
         assert ck.tag == "a1" and ck.load("model")["step"] == 1
         cli = subprocess.run([sys.executable, "-m", "nebulite.cli", "list", store], env=_env(),
-                             capture_output=True, text=True, timeout=120)
+                             capture_output=True, text=True, timeout=HANG_TIMEOUT)
         assert cli.returncode == 0 and '"a1"' in cli.stdout, cli.stderr[-3000:]
     finally:
         first.finish()
@@ -181,7 +182,7 @@ def test_an_odd_lease_file_has_no_live_holder(store, odd):
     # In a process of its own, with a deadline: a FIFO opened the blocking way would hang.
     out = subprocess.run([sys.executable, "-W", "always", "-c", textwrap.dedent(_SECOND), store,
                           "dict(agent=False)"], env=_env(), capture_output=True, text=True,
-                         timeout=120)
+                         timeout=HANG_TIMEOUT)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.strip() == "WROTE b1"  # a directory cannot be replaced: written without
     assert ".nebulite/lease" in out.stderr  # named in a warning

@@ -6,6 +6,7 @@
 - `loader`: one process per cold load, so that nothing of the saving process is reused;
 - `resume`: one rank of the resume workload (ranks save their shards, fresh ranks resume them);
 - `train`: the training run with a checkpoint every N steps;
+- `agents`: stopping the node agents a run started (each run has a runtime directory of its own);
 - `monitor`: peak memory (PSS) of a process and its descendants;
 - `report`: the table, the targets, the plot.
 """

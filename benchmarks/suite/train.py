@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import statistics
 import time
 from typing import Any, Callable
@@ -30,9 +29,6 @@ import torch
 from . import workloads
 from .link import Link
 from .worker import arena_bytes
-
-#: Agents started by this run (stopped at its end, by pid).
-AGENTS: set[int] = set()
 
 VARIANTS = ["none", "torch.save", "dcp.async_save", "nebulite async staging", "nebulite agent",
             "nebulite agent, async staging"]
@@ -115,8 +111,6 @@ def checkpointer(variant: str, model: torch.nn.Module, opt: torch.optim.Optimize
         engine = getattr(getattr(nm.api, "_session", None), "engine", None)
         if hasattr(engine, "wait_prefaulted"):
             engine.wait_prefaulted()  # a job's first checkpoint comes long after init
-        if nm.session_info()["agent_pid"]:
-            AGENTS.add(nm.session_info()["agent_pid"])  # kept for the next segments; stopped at the end
 
         def save(step: int) -> None:
             ck = nm.Checkpoint(f"step{step}", num_files=2)
@@ -170,11 +164,6 @@ def run(spec: dict[str, Any], link: Link) -> dict[str, Any]:
         link.progress(f"  training round {r + 1}/{rounds}: " + ", ".join(
             f"{s['variant']} {s['steps'] / s['seconds']:.2f}" for s in out["segments"] if s["round"] == r)
             + " steps/s")
-    for pid in AGENTS:
-        try:
-            os.kill(pid, signal.SIGTERM)
-        except ProcessLookupError:
-            pass
     out["variants"] = summarize(out["segments"])
     return out
 

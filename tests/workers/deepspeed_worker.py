@@ -351,7 +351,8 @@ class Rank:
         path, client = model_engine.load_checkpoint(save_dir)
         want = self.read_expected(os.path.dirname(save_dir), "global_step6")
         return {"agent_pid": nebulite.session_info()["agent_pid"],
-                "latest": [os.path.relpath(path, save_dir), self.loaded_matches(model_engine, client, want)]}
+                "latest": [os.path.relpath(path, save_dir), self.loaded_matches(model_engine, client, want)],
+                "listed": [(e["tag"], e["tier"]) for e in nebulite.list_checkpoints()]}
 
 
 def main() -> None:

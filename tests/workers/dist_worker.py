@@ -33,6 +33,23 @@ import torch
 
 import nebulite as nm
 
+#: Bounds a hang only: what is waited for comes in milliseconds, many times that on a busy
+#: machine.
+HANG_TIMEOUT = 600
+
+
+def wait_for_manifest(store: str, tag: str, rank: int) -> None:
+    """Waits until rank `rank`'s manifest of `tag` is in the store: the ranks here are plain
+    processes, started at once but reaching a step whenever the machine lets them, and the
+    coordinator (rank 0) must see every rank's manifest within its short commit timeout."""
+    deadline = time.monotonic() + HANG_TIMEOUT
+    tdir = os.path.join(store, tag)
+    while not (os.path.isdir(tdir) and any(os.path.exists(os.path.join(tdir, v, f"rank{rank}.manifest"))
+                                           for v in os.listdir(tdir))):
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"rank {rank} never persisted {tag}")
+        time.sleep(0.01)
+
 
 def shard(rank: int, step: int) -> dict:
     return {
@@ -117,8 +134,10 @@ def run_plain(store: str, rank: int) -> dict:
         tag = f"t{step}"
         ck = nm.Checkpoint(tag, -2)
         ck.save(f"shard_rank{rank}", shard(rank, step))
+        if rank == 0:
+            wait_for_manifest(store, tag, 1)
         assert ck.commit() is True
-        nm.flush_persistence(timeout=30)
+        nm.flush_persistence(timeout=HANG_TIMEOUT)
     if rank == 1:
         ck = nm.Checkpoint("t3", -2)
         ck.save("shard_rank1", shard(1, 3))
@@ -129,7 +148,7 @@ def run_plain(store: str, rank: int) -> dict:
     assert ck.commit() is True
     t0 = time.monotonic()
     try:
-        nm.flush_persistence(timeout=3)
+        nm.flush_persistence(timeout=HANG_TIMEOUT)  # the commit timeout (2 s) ends it
         out["flush_error"] = None
     except Exception as e:  # noqa: BLE001 - reported to the parent
         out["flush_error"] = f"{type(e).__name__}: {e}"
@@ -152,22 +171,25 @@ def run_plain(store: str, rank: int) -> dict:
 
 
 def run_plain_no_flush(store: str, rank: int) -> dict:
-    """No torch.distributed, interval 0: both ranks commit t1; only rank 0 flushes; rank 1
-    waits (up to 8 s) for the commit marker to appear without calling flush_persistence."""
+    """No torch.distributed, interval 0: both ranks commit t1 (rank 0 once rank 1's manifest
+    is in); only rank 0 flushes; rank 1 waits for the commit marker to appear without
+    calling flush_persistence."""
     nm.init(persistent_storage_path=store, persistent_time_interval=0,
             num_of_version_in_retention=0, rank=rank, world_size=2, commit_timeout=4)
     ck = nm.Checkpoint("t1", -2)
     ck.save(f"shard_rank{rank}", shard(rank, 1))
+    if rank == 0:
+        wait_for_manifest(store, "t1", 1)
     assert ck.commit() is True
     out: dict = {"rank": rank}
     if rank == 0:
         try:
-            nm.flush_persistence(timeout=8)
+            nm.flush_persistence(timeout=HANG_TIMEOUT)
             out["flush_error"] = None
         except Exception as e:  # noqa: BLE001
             out["flush_error"] = f"{type(e).__name__}: {e}"
     else:
-        deadline = time.monotonic() + 8
+        deadline = time.monotonic() + HANG_TIMEOUT
         while time.monotonic() < deadline and not any(
             os.path.exists(os.path.join(store, "t1", v, "COMMITTED"))
             for v in (os.listdir(os.path.join(store, "t1")) if os.path.isdir(os.path.join(store, "t1")) else [])
