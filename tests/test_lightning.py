@@ -35,9 +35,10 @@ from nebulite.integrations.lightning import NebulaCallback, NebulaCheckpointIO
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "lightning_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
+from conftest import HANG_TIMEOUT  # noqa: E402
 from lightning_worker import Probe, TinyModule, loader, weights  # noqa: E402
 
-TIMEOUT = 300
+TIMEOUT = HANG_TIMEOUT  # bounds a hang; a busy machine may take long
 
 
 class Opaque:
