@@ -7,7 +7,7 @@ history in the persistent path, and DeepSpeed's own files in save_dir being empt
 (``torch.save("", path)``), so that whatever a resumed engine loaded came from nebulite.
 
 The training runs are real DeepSpeed engines on the CPU (gloo), one process per rank
-(tests/workers/deepspeed_worker.py), for ZeRO stages 0, 1 and 2 with 1 and 2 ranks.
+(tests/workers/deepspeed_worker.py), for ZeRO stages 0, 1, 2 and 3 with 1 and 2 ranks.
 """
 
 from __future__ import annotations
@@ -42,12 +42,18 @@ from deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine import NebulaC
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "deepspeed_worker.py")
 DOCS = Path(__file__).resolve().parent.parent / "docs" / "deepspeed.md"
 TIMEOUT = HANG_TIMEOUT
-STAGES = (0, 1, 2)
+STAGES = (0, 1, 2, 3)
 MODEL = "mp_rank_00_model_states.pt"
 
 
 def _zero_file(rank: int) -> str:
     return f"zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def _model_file(stage: int, rank: int) -> str:
+    """The model states file that DeepSpeed loads on `rank`: rank 0's, or with ZeRO 3
+    (parameters partitioned) each rank's own."""
+    return f"zero_pp_rank_{rank}_{MODEL}" if stage == 3 else MODEL
 
 
 def _free_port() -> int:
@@ -149,8 +155,10 @@ def _ds_files(save_dir: Path) -> dict[str, Any]:
 
 
 def _expected_names(stage: int, world: int) -> dict[int, list[str]]:
-    """The objects each rank saves: rank 0 the model states, every rank its ZeRO partition."""
-    return {r: sorted(([MODEL] if r == 0 else []) + ([_zero_file(r)] if stage else [])) for r in range(world)}
+    """The objects each rank saves: rank 0 the model states (with ZeRO 3 every rank its own),
+    every rank its ZeRO partition."""
+    return {r: sorted(([_model_file(stage, r)] if r == 0 or stage == 3 else []) + ([_zero_file(r)] if stage else []))
+            for r in range(world)}
 
 
 def _export_with_the_docs_recipe(store: Path, workdir: Path, env: dict[str, str]) -> None:
@@ -169,7 +177,7 @@ def _export_with_the_docs_recipe(store: Path, workdir: Path, env: dict[str, str]
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
-    """Trains and saves (1 and 2 ranks, ZeRO 0/1/2), records what is on disk, then resumes
+    """Trains and saves (1 and 2 ranks, ZeRO 0/1/2/3), records what is on disk, then resumes
     in new processes. Keys: work[world], saved[world] and resumed[world] (each rank's
     results), stores_after_save, history and ds_files [world][stage], and azure_save,
     azure_store_after_save, azure_resume."""
@@ -283,14 +291,23 @@ def test_resume_from_latest_is_bit_identical(runs):
         for stage in STAGES:
             got = r["resume"][f"z{stage}"]
             assert got["differs_before_load"], (world, stage)
-            assert got["latest"] == [f"global_step6/{MODEL}", "ok"], (world, r["rank"], stage, got)
+            assert got["latest"] == [f"global_step6/{_model_file(stage, r['rank'])}", "ok"], (world, r["rank"], stage, got)
+
+
+def test_zero_to_fp32_reads_a_checkpoint_nebulite_saved(runs):
+    """DeepSpeed's zero_to_fp32 (get_fp32_state_dict_from_zero_checkpoint(save_dir, tag)) on
+    a ZeRO 3 checkpoint, after flush_persistence: the fp32 weights equal, bit for bit, the
+    partitions the ranks held when they saved."""
+    for world in (1, 2):
+        got = [r["save"]["z3"]["zero_to_fp32"] for r in runs["saved"][world]]
+        assert got == ["ok"] + ["rank 0 reads"] * (world - 1), (world, got)
 
 
 def test_resume_from_an_explicit_tag_is_bit_identical(runs):
     for world, r in _ranks(runs, "resumed"):
         for stage in STAGES:
             got = r["resume"][f"z{stage}"]
-            assert got["explicit"] == [f"global_step4/{MODEL}", "ok"], (world, r["rank"], stage, got)
+            assert got["explicit"] == [f"global_step4/{_model_file(stage, r['rank'])}", "ok"], (world, r["rank"], stage, got)
 
 
 def test_a_tag_retention_removed_loads_the_latest(runs):
@@ -299,7 +316,7 @@ def test_a_tag_retention_removed_loads_the_latest(runs):
         for stage in STAGES:
             got = r["resume"][f"z{stage}"]
             assert got["retired_tag_in_nebulite"] == ""
-            assert got["retired"] == [f"global_step2/{MODEL}", "ok"], (world, r["rank"], stage, got)
+            assert got["retired"] == [f"global_step2/{_model_file(stage, r['rank'])}", "ok"], (world, r["rank"], stage, got)
 
 
 def test_saving_goes_on_after_resume_and_nebula_load_path_reads_another_store(runs):
@@ -308,6 +325,7 @@ def test_saving_goes_on_after_resume_and_nebula_load_path_reads_another_store(ru
         base = runs["work"][world]
         assert sorted(_store_snapshot(base / "z0" / "nebula")) == ["global_step6", "global_step8"]
         assert sorted(_store_snapshot(base / "z1" / "nebula")) == ["global_step6", "global_step8"]
+        assert sorted(_store_snapshot(base / "z3" / "nebula")) == ["global_step6", "global_step8"]
         assert sorted(_store_snapshot(base / "z2" / "nebula")) == ["global_step4", "global_step6"]
         new = _store_snapshot(base / "z2" / "nebula_b")
         assert sorted(new) == ["global_step8"]

@@ -41,6 +41,7 @@ from typing import Any
 
 MODEL_SEED = 1234  # the saving run's initial weights; resuming engines start elsewhere
 STEPS_PER_SAVE = 2
+STAGES = (0, 1, 2, 3)
 
 
 def same(a: Any, b: Any, path: str = "") -> str:
@@ -129,7 +130,7 @@ class Rank:
 
         buf = io.BytesIO()
         torch.save({
-            "module": eng.module.state_dict(),
+            "module": self.module_state(eng),
             "optimizer": eng.optimizer.state_dict(),
             "lr_scheduler": eng.lr_scheduler.state_dict(),
             "global_steps": eng.global_steps,
@@ -137,6 +138,12 @@ class Rank:
         }, buf)
         buf.seek(0)
         return torch.load(buf, weights_only=False)  # written just above
+
+    def module_state(self, eng: Any) -> dict[str, Any]:
+        """The module's state this rank holds: with ZeRO 3, its partition of each parameter."""
+        if not eng.zero_optimization_partition_weights():
+            return eng.module.state_dict()
+        return {k: p.ds_tensor.detach().clone() for k, p in eng.module.named_parameters()}
 
     def loaded_matches(self, eng: Any, client: dict[str, Any] | None, expected: dict[str, Any]) -> str:
         got = self.state(eng, None)
@@ -171,7 +178,7 @@ class Rank:
         import nebulite
 
         out: dict[str, Any] = {"torch_nebula_is_nebulite": torch_nebula.Checkpoint is nebulite.Checkpoint}
-        for stage in (0, 1, 2):
+        for stage in STAGES:
             base = os.path.join(self.workdir, f"z{stage}")
             os.makedirs(os.path.join(base, "expected"), exist_ok=True)
             eng = self.engine(self.config(stage, self.nebula_block(base)), MODEL_SEED)
@@ -185,6 +192,8 @@ class Rank:
             tag_dir = os.path.join(base, "ds", "global_step6")
             r["placeholders"] = {n: torch.load(os.path.join(tag_dir, n), weights_only=True)
                                  for n in sorted(os.listdir(tag_dir))}
+            if stage == 3:
+                r["zero_to_fp32"] = self.zero_to_fp32(base)
             out[f"z{stage}"] = r
         # A checkpoint written without Nebula, for enable_nebula_load: false.
         base = os.path.join(self.workdir, "plain")
@@ -196,12 +205,31 @@ class Rank:
         out["plain_engine"] = type(eng.checkpoint_engine).__name__
         return out
 
+    def zero_to_fp32(self, base: str) -> str:
+        """DeepSpeed's zero_to_fp32 on save_dir once nebulite has persisted the checkpoints:
+        the whole fp32 model of global_step6, made of every rank's partition ('ok' when
+        equal, bit for bit, to the partitions the ranks held; read on rank 0)."""
+        import torch
+        import torch.distributed as dist
+        import torch_nebula
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        torch_nebula.flush_persistence()
+        dist.barrier()  # every rank's files are in save_dir
+        if self.rank != 0:
+            return "rank 0 reads"
+        got = get_fp32_state_dict_from_zero_checkpoint(os.path.join(base, "ds"), "global_step6")
+        parts = [torch.load(os.path.join(base, "expected", f"global_step6.rank{r}.pt"), weights_only=False)["module"]
+                 for r in range(self.world)]
+        want = {k: torch.cat([p[k] for p in parts])[:got[k].numel()].view(got[k].shape) for k in got}
+        return same(dict(got), want) or "ok"
+
     def resume(self) -> dict[str, Any]:
         import torch
         import torch_nebula
 
         out: dict[str, Any] = {}
-        for stage in (0, 1, 2):
+        for stage in STAGES:
             base = os.path.join(self.workdir, f"z{stage}")
             if stage == 2:  # load from the first run's path, persist into a new one
                 block = self.nebula_block(base, persistent_storage_path=os.path.join(base, "nebula_b"),
@@ -210,7 +238,7 @@ class Rank:
                 block = self.nebula_block(base)
             eng = self.engine(self.config(stage, block), MODEL_SEED + 1)
             want6 = self.read_expected(base, "global_step6")
-            r: dict[str, Any] = {"differs_before_load": bool(same(eng.module.state_dict(), want6["module"]))}
+            r: dict[str, Any] = {"differs_before_load": bool(same(self.module_state(eng), want6["module"]))}
             ds = os.path.join(base, "ds")
             path, client = eng.load_checkpoint(ds)  # the tag in ds/latest
             r["latest"] = [os.path.relpath(path, ds), self.loaded_matches(eng, client, want6)]
