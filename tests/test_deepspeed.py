@@ -520,8 +520,7 @@ def test_ranks_committing_different_tags_fail_at_once_on_every_rank(tmp_path):
         while _pid_alive(agent_pid) and Path(f"/proc/{agent_pid}/stat").read_text().split()[2] != "Z":
             time.sleep(0.1)
     finally:
-        _kill_agents(runtime)
-        shutil.rmtree(runtime, ignore_errors=True)
+        remove_runtime_dir(runtime)
     for r in results:
         got = r["mixed_tags"]
         for validation in ("Warn", "Ignore"):
