@@ -16,7 +16,6 @@ import csv
 import json
 import os
 import re
-import shutil
 import socket
 import subprocess
 import sys
