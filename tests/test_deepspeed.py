@@ -287,10 +287,11 @@ def test_deepspeed_finds_its_files_in_save_dir(runs):
 def test_resume_from_latest_is_bit_identical(runs):
     """Model, optimizer (ZeRO partitions included), scheduler, step and client state."""
     for world, r in _ranks(runs, "resumed"):
+        rank = r["rank"]
         for stage in STAGES:
             got = r["resume"][f"z{stage}"]
             assert got["differs_before_load"], (world, stage)
-            assert got["latest"] == [f"global_step6/{_model_file(stage, r['rank'])}", "ok"], (world, r["rank"], stage, got)
+            assert got["latest"] == [f"global_step6/{_model_file(stage, rank)}", "ok"], (world, rank, stage, got)
 
 
 def test_zero_to_fp32_reads_a_checkpoint_nebulite_saved(runs):
@@ -304,18 +305,20 @@ def test_zero_to_fp32_reads_a_checkpoint_nebulite_saved(runs):
 
 def test_resume_from_an_explicit_tag_is_bit_identical(runs):
     for world, r in _ranks(runs, "resumed"):
+        rank = r["rank"]
         for stage in STAGES:
             got = r["resume"][f"z{stage}"]
-            assert got["explicit"] == [f"global_step4/{_model_file(stage, r['rank'])}", "ok"], (world, r["rank"], stage, got)
+            assert got["explicit"] == [f"global_step4/{_model_file(stage, rank)}", "ok"], (world, rank, stage, got)
 
 
 def test_a_tag_retention_removed_loads_the_latest(runs):
     """DeepSpeed's engine asks nebulite for the tag, gets '' and falls back to the latest."""
     for world, r in _ranks(runs, "resumed"):
+        rank = r["rank"]
         for stage in STAGES:
             got = r["resume"][f"z{stage}"]
             assert got["retired_tag_in_nebulite"] == ""
-            assert got["retired"] == [f"global_step2/{_model_file(stage, r['rank'])}", "ok"], (world, r["rank"], stage, got)
+            assert got["retired"] == [f"global_step2/{_model_file(stage, rank)}", "ok"], (world, rank, stage, got)
 
 
 def test_saving_goes_on_after_resume_and_nebula_load_path_reads_another_store(runs):
