@@ -512,6 +512,21 @@ def test_ddp_two_processes(tmp_path, store):
     assert torch.load(resumed[0]["last_model_path"], weights_only=True)["global_step"] == 6
 
 
+@pytest.mark.parametrize("io_plugin", ["1", "0"])
+def test_ddp_spawn_workers_save_where_the_main_process_s_init_says(tmp_path, store, io_plugin):
+    """A script calls nebulite.init(persistent_storage_path=...) and trains with
+    strategy="ddp_spawn": the processes Lightning spawns save to that path as well, and
+    after fit the main process finds and loads what they saved."""
+    [result] = _launch("ddp_spawn", tmp_path, store, 4, world=1, NEBULITE_IO_PLUGIN=io_plugin)
+    paths = sorted(glob.glob(str(tmp_path / "ckpts" / "*.ckpt")))
+    assert [os.path.basename(p) for p in paths] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    for path in paths:
+        _assert_nebulite_file(path, store)
+    assert result["best_model_path"] == str(tmp_path / "ckpts" / "epoch=1-step=4.ckpt") and result["best_step"] == 4
+    assert result["latest_tag"] == "last.ckpt" and result["latest_step"] == 4
+    assert result["loaded_weights"] == result["end_weights"]
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_deepspeed_strategy_two_processes(tmp_path, store, stage):
     """NebulaDeepspeedStrategy on the CPU (gloo, DeepSpeed's CPU accelerator): DeepSpeed saves
