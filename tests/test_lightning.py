@@ -326,6 +326,65 @@ def test_no_thread_outlives_the_work(tmp_path, store, agent_env, monkeypatch):
     assert set(threading.enumerate()) <= before
 
 
+class _PathReader(threading.Thread):
+    """Reads, over and over while training saves, every path Lightning records for
+    `callback` (``best_model_path``, ``last_model_path``, the files in its dirpath), as a
+    reader that is not nebulite would (an eval job, a copy to another machine): a path that
+    can be opened must hold a whole checkpoint."""
+
+    def __init__(self, callback: NebulaCallback, ckpt_dir: Path) -> None:
+        super().__init__(name="path-reader")
+        self.callback, self.ckpt_dir = callback, ckpt_dir
+        self.stop = threading.Event()
+        self.loaded: set[str] = set()
+        self.failures: list[str] = []
+
+    def _paths(self) -> list[str]:
+        recorded = [self.callback.best_model_path, self.callback.last_model_path]
+        listed = [str(self.ckpt_dir / n) for n in os.listdir(self.ckpt_dir)] if self.ckpt_dir.is_dir() else []
+        return [p for p in recorded + listed if p]
+
+    def run(self) -> None:
+        while not self.stop.is_set() or not self.loaded:
+            for path in self._paths():
+                try:
+                    f = open(path, "rb")  # what exists now; removal after this cannot tear it
+                except (FileNotFoundError, IsADirectoryError):
+                    continue
+                with f:
+                    try:
+                        step = torch.load(f, weights_only=True)["global_step"]
+                    except Exception as e:  # noqa: BLE001 - every failure is reported
+                        self.failures.append(f"{path} ({os.path.realpath(path)}): {type(e).__name__}: {e}")
+                        continue
+                self.loaded.add(f"{os.path.basename(path)}@{step}")
+            if self.stop.is_set():
+                return
+
+
+@pytest.mark.parametrize("interval", [0, 3600])
+def test_a_recorded_path_never_names_a_partly_written_file(tmp_path, store, interval):
+    """Every save, removals, the best and last checkpoints rewritten, persisted at once or
+    (with an interval) links made while their versions are on their way to the store:
+    whatever path Lightning records, another reader opening it gets a whole checkpoint (or
+    nothing yet)."""
+    ckpt_dir = tmp_path / "ckpts"
+    callback = _callback(ckpt_dir, store, interval, monitor="train_loss", save_top_k=2, every_n_train_steps=1)
+    reader = _PathReader(callback, ckpt_dir)
+    reader.start()
+    try:
+        # A megabyte-sized hyperparameter makes each data file take a while to write.
+        _trainer(tmp_path, 12, [callback], [NebulaCheckpointIO()]).fit(
+            TinyModule(extra=torch.randn(1 << 18)), loader())
+    finally:
+        reader.stop.set()
+        reader.join(TIMEOUT)
+    assert not reader.is_alive()
+    assert reader.failures == []
+    assert reader.loaded  # it did read recorded paths
+    assert torch.load(callback.last_model_path, weights_only=True)["global_step"] == 12
+
+
 # -- manual saving, loading ------------------------------------------------------------------
 
 
