@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .. import _core, api
-from .._config import Config
+from .._config import Config, parse_path
 from ..errors import InvalidArgumentError, NotFoundError
 
 log = logging.getLogger("nebulite")
@@ -193,7 +193,9 @@ class NebulaCheckpointIOMixin:
 
         `storage_options` may hold ``is_best`` (persist this checkpoint at once, whatever
         ``persistent_time_interval`` says) and ``persist_path`` (the persistent storage path
-        to save to; nebulite is initialised, or re-initialised, with it).
+        to save to, a local or mounted directory; nebulite is initialised, or re-initialised,
+        with it). A URL there (``s3://...``, ``memory://...``) is an ``InvalidArgumentError``
+        until the object-store drivers exist.
         """
         if threading.current_thread() is not threading.main_thread():
             raise InvalidArgumentError(WRAPPED_REFUSAL)
@@ -309,8 +311,10 @@ class NebulaCheckpointIOMixin:
                 f"the keys understood are {list(STORAGE_OPTIONS)}"
             )
         persist_path = storage_options.get("persist_path")
+        if persist_path is not None:  # a URL is refused here, before anything is saved
+            persist_path = parse_path("storage_options['persist_path']", persist_path)
         is_best = bool(storage_options.get("is_best", self._best_hint))
-        return is_best, os.fspath(persist_path) if persist_path is not None else None
+        return is_best, persist_path
 
     def _ensure_session(self, persist_path: Optional[str]) -> None:
         """nebulite initialised for one rank (Lightning saves the whole checkpoint on global
@@ -322,7 +326,7 @@ class NebulaCheckpointIOMixin:
             if persist_path is not None:
                 kwargs["persistent_storage_path"] = persist_path
             api.init(**kwargs)
-        elif persist_path is not None and config.persistent_storage_path != os.path.abspath(persist_path):
+        elif persist_path is not None and config.persistent_storage_path != persist_path:
             log.info("nebulite: persist_path %s: re-initialising nebulite with it", persist_path)
             api._reopen_with_path(persist_path)
         info = api.session_info()
