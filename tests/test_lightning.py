@@ -419,6 +419,9 @@ def test_a_url_persistent_path_is_refused(tmp_path, store, url, how, monkeypatch
         nebulite.init(persistent_storage_path=store)
         trainer = _trainer(tmp_path, 2, plugins=[NebulaCheckpointIO()])
         trainer.fit(TinyModule(), loader())
+        run = nebulite.session_info()["run_id"]
+        trainer.save_checkpoint(str(tmp_path / "same.ckpt"), storage_options={"persist_path": f"file://{store}"})
+        assert nebulite.session_info()["run_id"] == run  # the same path: not re-initialised
         with pytest.raises(nebulite.InvalidArgumentError, match="persist_path.*not supported"):
             trainer.save_checkpoint(str(tmp_path / "example.ckpt"), storage_options={"persist_path": url})
         assert nebulite.session_info()["persistent_storage_path"] == store  # the session stands
