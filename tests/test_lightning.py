@@ -326,6 +326,65 @@ def test_no_thread_outlives_the_work(tmp_path, store, agent_env, monkeypatch):
     assert set(threading.enumerate()) <= before
 
 
+class _PathReader(threading.Thread):
+    """Reads, over and over while training saves, every path Lightning records for
+    `callback` (``best_model_path``, ``last_model_path``, the files in its dirpath), as a
+    reader that is not nebulite would (an eval job, a copy to another machine): a path that
+    can be opened must hold a whole checkpoint."""
+
+    def __init__(self, callback: NebulaCallback, ckpt_dir: Path) -> None:
+        super().__init__(name="path-reader")
+        self.callback, self.ckpt_dir = callback, ckpt_dir
+        self.stop = threading.Event()
+        self.loaded: set[str] = set()
+        self.failures: list[str] = []
+
+    def _paths(self) -> list[str]:
+        recorded = [self.callback.best_model_path, self.callback.last_model_path]
+        listed = [str(self.ckpt_dir / n) for n in os.listdir(self.ckpt_dir)] if self.ckpt_dir.is_dir() else []
+        return [p for p in recorded + listed if p]
+
+    def run(self) -> None:
+        while not self.stop.is_set() or not self.loaded:
+            for path in self._paths():
+                try:
+                    f = open(path, "rb")  # what exists now; removal after this cannot tear it
+                except (FileNotFoundError, IsADirectoryError):
+                    continue
+                with f:
+                    try:
+                        step = torch.load(f, weights_only=True)["global_step"]
+                    except Exception as e:  # noqa: BLE001 - every failure is reported
+                        self.failures.append(f"{path} ({os.path.realpath(path)}): {type(e).__name__}: {e}")
+                        continue
+                self.loaded.add(f"{os.path.basename(path)}@{step}")
+            if self.stop.is_set():
+                return
+
+
+@pytest.mark.parametrize("interval", [0, 3600])
+def test_a_recorded_path_never_names_a_partly_written_file(tmp_path, store, interval):
+    """Every save, removals, the best and last checkpoints rewritten, persisted at once or
+    (with an interval) links made while their versions are on their way to the store:
+    whatever path Lightning records, another reader opening it gets a whole checkpoint (or
+    nothing yet)."""
+    ckpt_dir = tmp_path / "ckpts"
+    callback = _callback(ckpt_dir, store, interval, monitor="train_loss", save_top_k=2, every_n_train_steps=1)
+    reader = _PathReader(callback, ckpt_dir)
+    reader.start()
+    try:
+        # A megabyte-sized hyperparameter makes each data file take a while to write.
+        _trainer(tmp_path, 12, [callback], [NebulaCheckpointIO()]).fit(
+            TinyModule(extra=torch.randn(1 << 18)), loader())
+    finally:
+        reader.stop.set()
+        reader.join(TIMEOUT)
+    assert not reader.is_alive()
+    assert reader.failures == []
+    assert reader.loaded  # it did read recorded paths
+    assert torch.load(callback.last_model_path, weights_only=True)["global_step"] == 12
+
+
 # -- manual saving, loading ------------------------------------------------------------------
 
 
@@ -348,6 +407,32 @@ def test_manual_save_with_storage_options_and_load_from_checkpoint(tmp_path, sto
 
     with pytest.raises(TypeError, match="storage_options"):
         trainer.save_checkpoint("x.ckpt", storage_options={"compress": True})
+
+
+@pytest.mark.parametrize("url", ["memory://x", "s3://b/p"])
+@pytest.mark.parametrize("how", ["persist_path", "config_params"])
+def test_a_url_persistent_path_is_refused(tmp_path, store, url, how, monkeypatch):
+    """Until the object-store drivers exist, a URL as the persistent path is a clear error,
+    never a local directory named after its scheme."""
+    monkeypatch.chdir(tmp_path)
+    if how == "persist_path":
+        nebulite.init(persistent_storage_path=store)
+        trainer = _trainer(tmp_path, 2, plugins=[NebulaCheckpointIO()])
+        trainer.fit(TinyModule(), loader())
+        run = nebulite.session_info()["run_id"]
+        trainer.save_checkpoint(str(tmp_path / "same.ckpt"), storage_options={"persist_path": f"file://{store}"})
+        assert nebulite.session_info()["run_id"] == run  # the same path: not re-initialised
+        with pytest.raises(nebulite.InvalidArgumentError, match="persist_path.*not supported"):
+            trainer.save_checkpoint(str(tmp_path / "example.ckpt"), storage_options={"persist_path": url})
+        assert nebulite.session_info()["persistent_storage_path"] == store  # the session stands
+    else:
+        callback = NebulaCallback(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=1,
+                                  config_params={"persistent_storage_path": url})
+        with pytest.raises(nebulite.InvalidArgumentError, match="persistent_storage_path.*not supported"):
+            _trainer(tmp_path, 2, [callback], [NebulaCheckpointIO()]).fit(TinyModule(), loader())
+    scheme = url.split(":")[0]
+    assert [p for p in tmp_path.rglob(f"{scheme}:*")] == []
+    assert not os.path.lexists(tmp_path / "example.ckpt")
 
 
 def test_a_path_names_its_previous_checkpoint_until_the_new_one_is_stored(tmp_path, store):
@@ -510,6 +595,21 @@ def test_ddp_two_processes(tmp_path, store):
         assert r["start_step"] == 4 and r["start_weights"] == first[0]["end_weights"]
     _assert_nebulite_file(resumed[0]["last_model_path"], store)
     assert torch.load(resumed[0]["last_model_path"], weights_only=True)["global_step"] == 6
+
+
+@pytest.mark.parametrize("io_plugin", ["1", "0"])
+def test_ddp_spawn_workers_save_where_the_main_process_s_init_says(tmp_path, store, io_plugin):
+    """A script calls nebulite.init(persistent_storage_path=...) and trains with
+    strategy="ddp_spawn": the processes Lightning spawns save to that path as well, and
+    after fit the main process finds and loads what they saved."""
+    [result] = _launch("ddp_spawn", tmp_path, store, 4, world=1, NEBULITE_IO_PLUGIN=io_plugin)
+    paths = sorted(glob.glob(str(tmp_path / "ckpts" / "*.ckpt")))
+    assert [os.path.basename(p) for p in paths] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    for path in paths:
+        _assert_nebulite_file(path, store)
+    assert result["best_model_path"] == str(tmp_path / "ckpts" / "epoch=1-step=4.ckpt") and result["best_step"] == 4
+    assert result["latest_tag"] == "last.ckpt" and result["latest_step"] == 4
+    assert result["loaded_weights"] == result["end_weights"]
 
 
 @pytest.mark.parametrize("stage", [0, 2])

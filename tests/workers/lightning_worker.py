@@ -10,6 +10,10 @@ Modes:
   deepspeed -- one rank of a NebulaDeepspeedStrategy run (ZeRO stage from $ZERO_STAGE)
                on the CPU, same launch.
   standalone -- one process with the standalone `pytorch_lightning` package only.
+  ddp_spawn -- a script that calls nebulite.init() and trains with strategy="ddp_spawn"
+               (2 processes, gloo); $NEBULITE_IO_PLUGIN=0 leaves installing
+               NebulaCheckpointIO to the callback. After fit, the main process loads what
+               the workers saved and writes OUT_JSON.rank0.
 Each rank writes OUT_JSON with suffix .rank<R>: the global step and weights when training
 started (after any resume) and when it ended, and the paths the callback recorded.
 """
@@ -154,6 +158,28 @@ def run_standalone(out: str, store: str, ckpt_dir: str, max_steps: int, ckpt_pat
     _write(out, trainer, probe, callback, session=nm.session_info())
 
 
+def run_ddp_spawn(out: str, store: str, ckpt_dir: str, max_steps: int, ckpt_path: str | None) -> None:
+    import nebulite as nm
+
+    nm.init(persistent_storage_path=store, persistent_time_interval=0, num_of_version_in_retention=0)
+    callback = nm.NebulaCallback(dirpath=ckpt_dir, save_top_k=-1, every_n_train_steps=2, save_last=True)
+    plugins = [nm.NebulaCheckpointIO()] if os.environ.get("NEBULITE_IO_PLUGIN", "1") == "1" else []
+    trainer = L.Trainer(accelerator="cpu", devices=2, num_nodes=1, strategy="ddp_spawn", max_steps=max_steps,
+                        callbacks=[callback], plugins=plugins, **_trainer_kwargs())
+    module = TinyModule()
+    trainer.fit(module, loader(), ckpt_path=ckpt_path)
+    # Lightning copies the trained weights and the best model's path back to this process.
+    latest = nm.get_latest_checkpoint()
+    last = os.path.join(ckpt_dir, "last.ckpt")
+    loaded = TinyModule.load_from_checkpoint(last, map_location="cpu")
+    result = dict(rank=0, best_model_path=callback.best_model_path,
+                  best_step=torch.load(callback.best_model_path, weights_only=True)["global_step"],
+                  end_weights=weights(module), loaded_weights=weights(loaded), latest_tag=latest.tag,
+                  latest_step=latest.load("checkpoint")["global_step"] if latest.tag else None)
+    with open(f"{out}.rank0", "w") as f:
+        json.dump(result, f)
+
+
 def _write(out: str, trainer: Any, probe: Probe, callback: Any, session: dict[str, Any]) -> None:
     result = dict(probe.seen, rank=trainer.global_rank, world_size=trainer.world_size,
                   last_model_path=callback.last_model_path, best_k_models=sorted(callback.best_k_models),
@@ -165,5 +191,6 @@ def _write(out: str, trainer: Any, probe: Probe, callback: Any, session: dict[st
 if __name__ == "__main__":
     mode, out, store, ckpt_dir, steps = sys.argv[1:6]
     resume = sys.argv[6] if len(sys.argv) > 6 else None
-    {"ddp": run_ddp, "deepspeed": run_deepspeed, "standalone": run_standalone}[mode](
+    {"ddp": run_ddp, "deepspeed": run_deepspeed, "standalone": run_standalone,
+     "ddp_spawn": run_ddp_spawn}[mode](
         out, store, ckpt_dir, int(steps), resume)

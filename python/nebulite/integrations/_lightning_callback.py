@@ -12,7 +12,7 @@ from typing import Any, Literal, Optional, Union
 from .. import api
 from .._config import Config
 from ..errors import InvalidArgumentError
-from ._lightning_io import WRAPPED_REFUSAL, refuse_url
+from ._lightning_io import WRAPPED_REFUSAL, adopt_carried, carry_config, refuse_url
 
 #: Keys of DeepSpeed's "nebula" config block that NebulaCallback's config_params may fill.
 DEEPSPEED_NEBULA_KEYS = (
@@ -52,7 +52,8 @@ class NebulaCallbackMixin:
     ``NebulaCallback(<ModelCheckpoint's parameters>, *, config_params={...})``
     decides when to save and what to keep exactly as ``ModelCheckpoint`` does. At setup it
     initialises nebulite on every rank with `config_params` (the arguments of
-    ``nebulite.init``; without them, an existing ``nebulite.init()`` stands), as one rank
+    ``nebulite.init``; without them, an existing ``nebulite.init()`` stands, in the processes
+    that ``strategy="ddp_spawn"`` starts too), as one rank
     saving whole checkpoints, and with ``num_of_version_in_retention=0`` unless given: what
     to delete is ``ModelCheckpoint``'s decision (``save_top_k``), carried out through
     ``NebulaCheckpointIO.remove_checkpoint``. It installs ``NebulaCheckpointIO`` when the
@@ -106,6 +107,10 @@ class NebulaCallbackMixin:
             enable_version_counter=enable_version_counter,
         )
         self.config_params: dict[str, Any] = dict(config_params or {})
+        self._carried_config: Optional[Config] = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return carry_config(self.__dict__)
 
     def _generate_state_key(self, **kwargs: Any) -> str:
         """``ModelCheckpoint``'s state key, not one of its own: a run saved with either
@@ -144,6 +149,8 @@ class NebulaCallbackMixin:
         self._check_retention()
 
     def _init_nebulite(self) -> None:
+        if not self.config_params:
+            adopt_carried(self._carried_config)  # in a process Lightning spawned
         if not self.config_params and api._config() is not None:
             return  # the user's own nebulite.init() stands
         params = dict(self.config_params)

@@ -23,12 +23,18 @@ The life of a path (Lightning saves and removes on global rank 0 only):
 3. ``teardown`` persists what the paths name that is held in memory only, waits for all
    persistence (raising its errors) and settles the links.
 
+Lightning pickles its CheckpointIO and callbacks into the processes it spawns
+(``strategy="ddp_spawn"``), where nebulite is not initialised: both carry the configuration
+of the process that pickled them, and a process without a session of its own adopts it
+(``carry_config``, ``adopt_carried``).
+
 Not thread-safe: Lightning calls a CheckpointIO from its training loop only.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import re
@@ -40,6 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .. import _core, api
+from .._config import Config, parse_path
 from ..errors import InvalidArgumentError, NotFoundError
 
 log = logging.getLogger("nebulite")
@@ -69,6 +76,24 @@ def refuse_url(path: Any) -> None:
             f"{os.fspath(path)!r}: Lightning's checkpoint directory must be a local path with "
             "NebulaCheckpointIO and NebulaCallback; to store checkpoints elsewhere, give the "
             "store as the persistent storage path")
+
+
+def carry_config(state: dict[str, Any]) -> dict[str, Any]:
+    """`state` (an object's ``__dict__`` being pickled) plus this process's nebulite
+    configuration under ``_carried_config``."""
+    return dict(state, _carried_config=api._config())
+
+
+def adopt_carried(config: Optional[Config]) -> None:
+    """In a process without a nebulite session (one Lightning spawned), initialises nebulite
+    as the process that pickled the IO or callback was, for one rank (Lightning saves whole
+    checkpoints on global rank 0).
+
+    That process holds the store's writer lease for the job and outlives this one, so this
+    one takes none (``shared_store``): as another run, it would be refused the store."""
+    if config is not None and api._config() is None:
+        log.info("nebulite: initialising as the process that started this one was")
+        api._open(dataclasses.replace(config, rank=0, world_size=1, shared_store=True))
 
 
 _RANK_DIR = re.compile(r"^rank(0|[1-9][0-9]*)$")
@@ -141,6 +166,9 @@ class NebulaCheckpointIOMixin:
     #: Loads a file nebulite did not write, as Lightning's own TorchCheckpointIO would
     #: (set by the flavour module to its package's ``cloud_io._load``).
     _torch_load: Callable[..., Any]
+    #: Writes a file as Lightning's own TorchCheckpointIO would, atomically (set by the
+    #: flavour module to its package's ``cloud_io._atomic_save``).
+    _torch_save: Callable[[dict[str, Any], str], None]
 
     def __init__(self) -> None:
         super().__init__()
@@ -150,6 +178,10 @@ class NebulaCheckpointIOMixin:
         self._warned_memory_only = False
         #: The path of the last checkpoint saved with ``is_best`` (None before).
         self.best_path: Optional[str] = None
+        self._carried_config: Optional[Config] = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        return carry_config(self.__dict__)
 
     # -- CheckpointIO ---------------------------------------------------------
 
@@ -161,7 +193,9 @@ class NebulaCheckpointIOMixin:
 
         `storage_options` may hold ``is_best`` (persist this checkpoint at once, whatever
         ``persistent_time_interval`` says) and ``persist_path`` (the persistent storage path
-        to save to; nebulite is initialised, or re-initialised, with it).
+        to save to, a local or mounted directory; nebulite is initialised, or re-initialised,
+        with it). A URL there (``s3://...``, ``memory://...``) is an ``InvalidArgumentError``
+        until the object-store drivers exist.
         """
         if threading.current_thread() is not threading.main_thread():
             raise InvalidArgumentError(WRAPPED_REFUSAL)
@@ -170,6 +204,12 @@ class NebulaCheckpointIOMixin:
         self._ensure_session(persist_path)
         key = os.path.abspath(os.fspath(path))
         tag = os.path.basename(key)
+        if tag.startswith("."):
+            # Not a checkpoint: a hidden file of Lightning's own, such as the ".temp.ckpt"
+            # that carries the trained weights from a process ddp_spawn started back to the
+            # main process (which loads it, then removes it). Written as Lightning would.
+            self._torch_save(checkpoint, key)
+            return
         config = api._config()
         root = config.persistent_storage_path if config else None
         if root and os.path.realpath(os.path.dirname(key)) == os.path.realpath(root):
@@ -271,19 +311,22 @@ class NebulaCheckpointIOMixin:
                 f"the keys understood are {list(STORAGE_OPTIONS)}"
             )
         persist_path = storage_options.get("persist_path")
+        if persist_path is not None:  # a URL is refused here, before anything is saved
+            persist_path = parse_path("storage_options['persist_path']", persist_path)
         is_best = bool(storage_options.get("is_best", self._best_hint))
-        return is_best, os.fspath(persist_path) if persist_path is not None else None
+        return is_best, persist_path
 
     def _ensure_session(self, persist_path: Optional[str]) -> None:
         """nebulite initialised for one rank (Lightning saves the whole checkpoint on global
         rank 0), at `persist_path` when given."""
+        adopt_carried(self._carried_config)
         config = api._config()
         if config is None:
             kwargs: dict[str, Any] = {"rank": 0, "world_size": 1}
             if persist_path is not None:
                 kwargs["persistent_storage_path"] = persist_path
             api.init(**kwargs)
-        elif persist_path is not None and config.persistent_storage_path != os.path.abspath(persist_path):
+        elif persist_path is not None and config.persistent_storage_path != persist_path:
             log.info("nebulite: persist_path %s: re-initialising nebulite with it", persist_path)
             api._reopen_with_path(persist_path)
         info = api.session_info()

@@ -9,7 +9,7 @@ are in ``nebulite.integrations.pytorch_lightning``.
 from __future__ import annotations
 
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _load
+from lightning.fabric.utilities.cloud_io import _atomic_save, _load
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.strategies import DeepSpeedStrategy
 
@@ -21,6 +21,7 @@ from ._lightning_io import CHECKPOINT_NAME, NebulaCheckpointIOMixin
 class NebulaCheckpointIO(NebulaCheckpointIOMixin, CheckpointIO):
     __doc__ = NebulaCheckpointIOMixin.__doc__
     _torch_load = staticmethod(_load)
+    _torch_save = staticmethod(_atomic_save)
 
 
 class NebulaCallback(NebulaCallbackMixin, ModelCheckpoint):

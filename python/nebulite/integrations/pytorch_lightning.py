@@ -9,7 +9,7 @@ are in ``nebulite.integrations.lightning``.
 from __future__ import annotations
 
 from lightning_fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning_fabric.utilities.cloud_io import _load
+from lightning_fabric.utilities.cloud_io import _atomic_save, _load
 from pytorch_lightning.callbacks import ModelCheckpoint
 from pytorch_lightning.strategies import DeepSpeedStrategy
 
@@ -21,6 +21,7 @@ from ._lightning_io import CHECKPOINT_NAME, NebulaCheckpointIOMixin
 class NebulaCheckpointIO(NebulaCheckpointIOMixin, CheckpointIO):
     __doc__ = NebulaCheckpointIOMixin.__doc__
     _torch_load = staticmethod(_load)
+    _torch_save = staticmethod(_atomic_save)
 
 
 class NebulaCallback(NebulaCallbackMixin, ModelCheckpoint):
