@@ -204,7 +204,9 @@ class Config:
             if value is not None:
                 setattr(c, key, parse_int(what, value, 0, MAX_THREADS))
         for key, var in (("direct_io", None), ("prefault", None), ("agent", "NEBULITE_AGENT"),
-                         ("async_staging", "NEBULITE_ASYNC_STAGING")):
+                         ("async_staging", "NEBULITE_ASYNC_STAGING"),
+                         ("agent_fallback", "NEBULITE_AGENT_FALLBACK"),
+                         ("shared_store", "NEBULITE_SHARED_STORE")):
             what, value = given(key, var)
             if value is not None:
                 setattr(c, key, parse_bool(what, value))
@@ -225,12 +227,6 @@ class Config:
             c.agent_timeout = parse_seconds(what, timeout)
             if c.agent_timeout == 0:
                 raise InvalidArgumentError(f"{what} must be positive, got {timeout!r}")
-        what, fallback = given("agent_fallback", "NEBULITE_AGENT_FALLBACK")
-        if fallback is not None:
-            c.agent_fallback = parse_bool(what, fallback)
-        what, shared = given("shared_store", "NEBULITE_SHARED_STORE")
-        if shared is not None:
-            c.shared_store = parse_bool(what, shared)
         what, ttl = given("lease_ttl", "NEBULITE_LEASE_TTL")
         if ttl is not None:
             c.lease_ttl = parse_seconds(what, ttl, finite=True)
