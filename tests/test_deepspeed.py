@@ -562,3 +562,56 @@ def test_placeholders_become_the_committed_files(tmp_path, store):
     assert zero["optimizer_state_dict"]["step"] == 3
     assert torch.equal(zero["optimizer_state_dict"]["m"], torch.ones(4))
     assert sorted(os.listdir(save_dir / "global_step3")) == sorted(os.path.basename(p) for p in paths)
+
+
+# -- DeepSpeed's own checkpoint scenarios, ZeRO 3 ---------------------------------------------
+
+RELOAD_WORKER = os.path.join(os.path.dirname(__file__), "workers", "deepspeed_reload_worker.py")
+
+
+def _run_reload_worker(workdir: Path, world: int, nebula: dict[str, Any], env: dict[str, str]) -> list[dict[str, Any]]:
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, RELOAD_WORKER, str(workdir), str(r), str(world), str(port),
+                               json.dumps(nebula)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, f"rank {r} exited {p.returncode}\n{out[-2000:]}\n{err[-6000:]}"
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results
+
+
+@pytest.mark.parametrize("agent", [True, False], ids=["agent", "embedded"])
+@pytest.mark.parametrize("store", [True, False], ids=["store", "memory-only"])
+def test_zero3_loads_straight_after_saving_as_deepspeeds_own_tests_do(tmp_path, agent, store):
+    """DeepSpeed's checkpoint tests (load with and without optimizer states, module only,
+    immediate save/load, load then save) with ZeRO 3 on 2 ranks: the load happens in the
+    processes that saved, straight after the save, while the checkpoint is in memory only
+    (persistent_time_interval: the second engine's init() keeps the memory tier). Some of
+    DeepSpeed's ZeRO-3 loads read its save_dir files themselves: they hold the checkpoint."""
+    nebula: dict[str, Any] = {"enabled": True}
+    if store:
+        nebula.update(persistent_storage_path=str(tmp_path / "nebula"), persistent_time_interval=100)
+    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
+    try:
+        env = _child_env(NEBULITE_AGENT="1" if agent else "0", NEBULITE_RUNTIME_DIR=runtime)
+        results = _run_reload_worker(tmp_path, 2, nebula, env)
+    finally:
+        remove_runtime_dir(runtime)
+    for rank, result in enumerate(results):
+        for scenario, got in result.items():
+            assert got["placeholders"] == [], (rank, scenario, "save_dir still holds placeholders")
+            assert got["files_differ"] == [], (rank, scenario)
+            if scenario != "reload_module" and scenario != "reload_module_only":
+                # Without optimizer states DeepSpeed rebuilds the fp32 partitions from the
+                # module it gathers; on a loaded machine its CPU build's ZeRO-3 gather gave
+                # uninitialised values with its stock engine too. The files are checked above.
+                assert got["same"], (rank, scenario, "the loaded fp32 partitions differ from the saved ones")
