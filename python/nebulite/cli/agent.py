@@ -1,0 +1,2 @@
+from typing import Any
+def add_parser(sub: Any) -> None: pass

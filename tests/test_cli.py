@@ -1,0 +1,107 @@
+"""The ``nebulite`` command, run as a subprocess on stores written by the API, by
+DeepSpeed's "nebula" block and by Lightning's NebulaCallback."""
+
+from __future__ import annotations
+
+import csv
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+import nebulite
+import nebulite.api
+
+from conftest import HANG_TIMEOUT
+
+
+def _env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    pkg_root = os.path.dirname(os.path.dirname(os.path.abspath(nebulite.__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([pkg_root] + [p for p in [env.get("PYTHONPATH")] if p])
+    env.update(extra)
+    return env
+
+
+def cli(*args: str, code: int | None = 0, **env: str) -> subprocess.CompletedProcess[str]:
+    """Runs `nebulite ARGS...`; checks its exit status unless `code` is None."""
+    p = subprocess.run([sys.executable, "-m", "nebulite.cli", *map(str, args)], env=_env(**env),
+                       capture_output=True, text=True, timeout=HANG_TIMEOUT)
+    if code is not None:
+        assert p.returncode == code, (p.returncode, p.stdout[-3000:], p.stderr[-3000:])
+    return p
+
+
+def _state(step: int) -> dict[str, Any]:
+    return {"layer": {"weight": torch.full((4, 3), float(step)), "bias": torch.zeros(4,
+            dtype=torch.bfloat16)}, "step": step, "note": "hello"}
+
+
+def write_store(root: str, steps: int = 3, retention: int = 5) -> None:
+    """`steps` committed checkpoints global_step0.. with objects model and optimizer."""
+    nebulite.init(persistent_storage_path=root, persistent_time_interval=0,
+                  num_of_version_in_retention=retention)
+    for step in range(steps):
+        c = nebulite.Checkpoint(f"global_step{step}", num_files=2)
+        c.save("model", _state(step))
+        c.save("optimizer", {"lr": 0.1 * (step + 1), "exp_avg": [torch.ones(5) * step]})
+    nebulite.flush_persistence()
+    nebulite.api._reset_for_tests()
+
+
+@pytest.fixture
+def api_store(store):
+    write_store(store)
+    return store
+
+
+def test_ls_lists_committed_checkpoints_newest_first(api_store):
+    out = cli("ls", api_store).stdout
+    lines = out.splitlines()
+    assert lines[0].split() == ["TAG", "VERSION", "COMMITTED", "(UTC)", "AGE", "SIZE", "OBJECTS",
+                                "STATE"]
+    assert [line.split()[0] for line in lines[1:]] == ["global_step2", "global_step1",
+                                                       "global_step0"]
+    assert all(line.rstrip().endswith("committed") for line in lines[1:])
+    rows = json.loads(cli("ls", api_store, "--json").stdout)
+    assert [r["tag"] for r in rows] == ["global_step2", "global_step1", "global_step0"]
+    assert rows[0]["objects"] == ["model", "optimizer"] and rows[0]["bytes"] > 0
+    assert rows[0]["state"] == "committed" and rows[0]["committed_unix_ns"] > 0
+    # `nebulite list` is list_checkpoints() as before
+    assert [e["tag"] for e in json.loads(cli("list", api_store).stdout)][0] == "global_step2"
+
+
+def test_ls_shows_uncommitted_leftovers(api_store):
+    leftover = Path(api_store) / "global_step9" / "vdeadrun-000001" / "rank0"
+    leftover.mkdir(parents=True)
+    (leftover / "model").write_bytes(b"partial")
+    rows = json.loads(cli("ls", api_store, "--json").stdout)
+    assert rows[-1]["tag"] == "global_step9" and rows[-1]["state"] == "uncommitted"
+    assert "uncommitted" in cli("ls", api_store).stdout.splitlines()[-1]
+
+
+def test_ls_of_a_missing_store_is_one_line_on_stderr(tmp_path):
+    p = cli("ls", tmp_path / "nothing", code=2)
+    assert p.stdout == "" and len(p.stderr.strip().splitlines()) == 1
+    assert str(tmp_path / "nothing") in p.stderr
+
+
+def test_show_lists_tensors_and_values_without_loading(api_store):
+    out = cli("show", api_store, "global_step1").stdout
+    assert "object model" in out and "object optimizer" in out
+    assert any(line.split()[:4] == ["layer.weight", "float32", "[4,", "3]"] and line.split()[-1] == "48"
+               for line in out.splitlines())
+    assert "step = 1" in out and "note = 'hello'" in out
+    d = json.loads(cli("show", api_store, "global_step1", "model", "--json").stdout)
+    (obj,) = d["objects"]
+    assert {t["key"]: (t["dtype"], t["shape"], t["bytes"]) for t in obj["tensors"]} == {
+        "layer.weight": ("float32", [4, 3], 48), "layer.bias": ("bfloat16", [4], 8)}
+    assert {v["key"]: v["value"] for v in obj["values"]} == {"step": 1, "note": "hello"}
+    p = cli("show", api_store, "global_step1", "nope", code=2)
+    assert "nope" in p.stderr and "model" in p.stderr
+    assert "global_step7" in cli("show", api_store, "global_step7", code=2).stderr
