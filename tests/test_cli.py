@@ -105,3 +105,33 @@ def test_show_lists_tensors_and_values_without_loading(api_store):
     p = cli("show", api_store, "global_step1", "nope", code=2)
     assert "nope" in p.stderr and "model" in p.stderr
     assert "global_step7" in cli("show", api_store, "global_step7", code=2).stderr
+
+
+def _data_file(root: str, tag: str, name: str) -> Path:
+    (entry,) = [e for e in nebulite.list_checkpoints(root) if e["tag"] == tag]
+    return Path(entry["path"]) / "rank0" / name
+
+
+def test_verify_is_0_when_intact_and_1_naming_each_damaged_file(api_store):
+    out = cli("verify", api_store, "--all").stdout
+    assert out.count("): intact") == 3
+    assert "global_step2" in cli("verify", api_store).stdout  # the newest by default
+    victim = _data_file(api_store, "global_step1", "model")
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0x40
+    victim.write_bytes(data)
+    p = cli("verify", api_store, "--all", code=1)
+    assert "global_step1" in p.stdout and "DAMAGED" in p.stdout and str(victim) in p.stdout
+    assert p.stdout.count("): intact") == 2
+    assert str(victim) in cli("verify", api_store, "global_step1", code=1).stdout
+    cli("verify", api_store, "global_step2")  # the others are intact
+    victim.unlink()
+    assert str(victim) in cli("verify", api_store, "global_step1", code=1).stdout
+
+
+def test_progress_says_bytes_throughput_and_time_left():
+    from nebulite.cli.progress import describe
+
+    text = describe("verify", 500_000_000, 1_000_000_000, 2.0)
+    assert "50%" in text and "500.0 MB / 1.0 GB" in text
+    assert "250.0 MB/s" in text and "2.0 s left" in text
