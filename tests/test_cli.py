@@ -135,3 +135,24 @@ def test_progress_says_bytes_throughput_and_time_left():
     text = describe("verify", 500_000_000, 1_000_000_000, 2.0)
     assert "50%" in text and "500.0 MB / 1.0 GB" in text
     assert "250.0 MB/s" in text and "2.0 s left" in text
+
+
+def test_history_is_one_row_per_checkpoint_and_plots_a_png(api_store, tmp_path):
+    out = cli("history", api_store).stdout.splitlines()
+    assert out[0].split()[:3] == ["SAVED", "(UTC)", "TAG"]
+    assert [line.split()[2] for line in out[1:]] == ["global_step0", "global_step1", "global_step2"]
+    assert all(line.endswith("committed") for line in out[1:])
+    rows = json.loads(cli("history", api_store, "--json").stdout)
+    with open(Path(api_store) / "checkpointHistories.csv", newline="") as f:
+        commits = [r for r in csv.DictReader(f) if r["outcome"] == "committed"]
+    assert [r["bytes"] for r in rows] == [int(c["bytes"]) for c in commits]
+    assert all(r["persist_seconds"] > 0 and r["throughput_mb_s"] > 0 and r["blocking_seconds"] >= 0
+               for r in rows)
+    # the CSV of a finished job, copied anywhere, and a plot of it
+    copy = tmp_path / "run1.csv"
+    copy.write_bytes((Path(api_store) / "checkpointHistories.csv").read_bytes())
+    png = tmp_path / "run1.png"
+    out = cli("history", copy, "--plot", png).stdout
+    assert "global_step2" in out and str(png) in out
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert sorted(os.listdir(tmp_path)) == sorted(["run1.csv", "run1.png", "ckpt"])
