@@ -156,3 +156,28 @@ def test_history_is_one_row_per_checkpoint_and_plots_a_png(api_store, tmp_path):
     assert "global_step2" in out and str(png) in out
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert sorted(os.listdir(tmp_path)) == sorted(["run1.csv", "run1.png", "ckpt"])
+
+
+def test_gc_removes_only_dead_runs_leftovers_and_dry_run_removes_nothing(api_store):
+    from nebulite import _core
+
+    for run in ("deadrun", "liverun"):
+        d = Path(api_store) / "global_step9" / f"v{run}-000001" / "rank0"
+        d.mkdir(parents=True)
+        (d / "model").write_bytes(b"partial")
+    live = _core.hold_run(api_store, "liverun")
+    try:
+        # fresh leftovers are kept for the grace period, whatever their run
+        assert "nothing to remove" in cli("gc", api_store).stdout
+        out = cli("gc", api_store, "--dry-run", "--grace", "0").stdout
+        assert out.splitlines() == ["would remove global_step9/vdeadrun-000001"]
+        assert (Path(api_store) / "global_step9" / "vdeadrun-000001").is_dir()
+        out = cli("gc", api_store, "--grace", "0").stdout
+        assert out.splitlines() == ["removed global_step9/vdeadrun-000001"]
+        assert not (Path(api_store) / "global_step9" / "vdeadrun-000001").exists()
+        assert (Path(api_store) / "global_step9" / "vliverun-000001" / "rank0" / "model").exists()
+    finally:
+        live.release()
+    assert [e["tag"] for e in nebulite.list_checkpoints(api_store)] == [
+        "global_step2", "global_step1", "global_step0"]
+    cli("verify", api_store, "--all")
