@@ -181,3 +181,44 @@ def test_gc_removes_only_dead_runs_leftovers_and_dry_run_removes_nothing(api_sto
     assert [e["tag"] for e in nebulite.list_checkpoints(api_store)] == [
         "global_step2", "global_step1", "global_step0"]
     cli("verify", api_store, "--all")
+
+
+def test_export_torch_and_safetensors_then_import_them_back(api_store, tmp_path):
+    from safetensors.torch import load_file
+
+    out = cli("export", api_store, "global_step1", "--to", tmp_path / "pt").stdout
+    assert f"wrote {tmp_path / 'pt' / 'model.pt'}" in out
+    plain = torch.load(tmp_path / "pt" / "model.pt", weights_only=True)  # no nebulite needed
+    assert torch.equal(plain["layer"]["weight"], _state(1)["layer"]["weight"])
+    assert plain["layer"]["bias"].dtype == torch.bfloat16 and plain["note"] == "hello"
+    cli("export", api_store, "global_step2", "--to", tmp_path / "st", "--format", "safetensors")
+    tensors = load_file(str(tmp_path / "st" / "model.safetensors"))
+    assert set(tensors) == {"layer.weight", "layer.bias"}
+    assert torch.equal(tensors["layer.weight"], _state(2)["layer"]["weight"])
+    assert json.loads((tmp_path / "st" / "model.json").read_text()) == {"step": 2, "note": "hello"}
+    assert set(load_file(str(tmp_path / "st" / "optimizer.safetensors"))) == {"exp_avg.0"}
+    assert sorted(os.listdir(tmp_path / "st")) == ["model.json", "model.safetensors",
+                                                   "optimizer.json", "optimizer.safetensors"]
+    # ... and back: each file becomes an object of a committed checkpoint
+    other = str(tmp_path / "other")
+    out = cli("import", other, "from_torch", "--from", tmp_path / "pt").stdout
+    assert "committed from_torch" in out
+    cli("import", other, "from_st", "--from", tmp_path / "st")
+    latest = nebulite.get_latest_checkpoint(other)
+    assert latest.tag == "from_st" and sorted(latest.list_names()) == ["model", "optimizer"]
+    model = latest.load("model")
+    assert torch.equal(model["layer.weight"], _state(2)["layer"]["weight"]) and model["step"] == 2
+    back = nebulite.get_checkpoint(tag="from_torch", persist_path=other).load("model")
+    assert torch.equal(back["layer"]["weight"], _state(1)["layer"]["weight"])
+    cli("verify", other, "--all")
+
+
+def test_export_refuses_a_damaged_file(api_store, tmp_path):
+    victim = _data_file(api_store, "global_step1", "model")
+    data = bytearray(victim.read_bytes())
+    data[-100] ^= 1
+    victim.write_bytes(data)
+    p = cli("export", api_store, "global_step1", "--to", tmp_path / "out", code=2)
+    assert str(victim) in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "out" / "model.pt").exists()
+    assert [n for n in os.listdir(tmp_path / "out") if ".tmp" in n] == []
