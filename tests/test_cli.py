@@ -222,3 +222,34 @@ def test_export_refuses_a_damaged_file(api_store, tmp_path):
     assert str(victim) in p.stderr and len(p.stderr.strip().splitlines()) == 1
     assert not (tmp_path / "out" / "model.pt").exists()
     assert [n for n in os.listdir(tmp_path / "out") if ".tmp" in n] == []
+
+
+def test_agent_status_ls_and_stop_wait_persist_what_memory_holds(agent_env, store):
+    nebulite.init(persistent_storage_path=store, agent=True, persistent_time_interval=3600,
+                  memory_buffer_size=64 << 20)
+    nebulite.Checkpoint("global_step0", num_files=1).save("model", _state(0))
+    nebulite.flush_persistence()  # the first one is in the store
+    nebulite.Checkpoint("global_step1", num_files=1).save("model", _state(1))  # memory only
+    agent_pid = nebulite.api.session_info()["agent_pid"]
+    (a,) = json.loads(cli("agent", "status", "--json").stdout)
+    assert a["pid"] == agent_pid and a["root"] == store and a["trainers"] == 1
+    assert 0 < a["used"] <= a["capacity"] == 64 << 20
+    assert {v["tag"] for v in a["versions"] if v["in_memory"]} >= {"global_step1"}
+    table = cli("agent", "status").stdout.splitlines()
+    assert table[0].split()[:2] == ["PID", "STORE"] and table[1].split()[:2] == [str(agent_pid), store]
+    rows = {r["tag"]: r["state"] for r in json.loads(cli("ls", store, "--json").stdout)}
+    assert rows == {"global_step1": "in memory only", "global_step0": "committed"}
+    # a trainer is attached: stop is refused unless forced
+    p = cli("agent", "stop", code=2)
+    assert "trainer" in p.stderr and len(p.stderr.strip().splitlines()) == 1
+    nebulite.shutdown()  # the trainer leaves; the agent keeps global_step1 in memory
+    assert nebulite.list_checkpoints(store)[0]["tag"] == "global_step0"
+    out = cli("agent", "stop", "--wait").stdout
+    assert f"stopping agent {agent_pid}" in out and f"agent {agent_pid} exited" in out
+    assert "no nebulite agent" in cli("agent", "status").stdout
+    rows = {r["tag"]: r["state"] for r in json.loads(cli("ls", store, "--json").stdout)}
+    assert rows == {"global_step1": "committed", "global_step0": "committed"}
+    assert torch.equal(nebulite.get_latest_checkpoint(store).load("model")["layer"]["weight"],
+                       _state(1)["layer"]["weight"])
+    (log,) = agent_env.glob("agent-*.log")  # the agent's log, beside its socket
+    assert f"nebulite agent {agent_pid} serving" in log.read_text()
