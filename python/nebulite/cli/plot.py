@@ -8,10 +8,10 @@ import os
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from .history import Checkpoint
+    from .._history import CheckpointHistory
 
 
-def plot_history(checkpoints: list["Checkpoint"], path: str) -> None:
+def plot_history(checkpoints: list["CheckpointHistory"], path: str) -> None:
     try:
         import matplotlib
 
