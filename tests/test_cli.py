@@ -253,3 +253,68 @@ def test_agent_status_ls_and_stop_wait_persist_what_memory_holds(agent_env, stor
                        _state(1)["layer"]["weight"])
     (log,) = agent_env.glob("agent-*.log")  # the agent's log, beside its socket
     assert f"nebulite agent {agent_pid} serving" in log.read_text()
+
+
+def test_every_read_command_works_on_a_store_deepspeeds_nebula_block_wrote(tmp_path, store):
+    ds = pytest.importorskip("test_deepspeed")
+    save_dir = tmp_path / "ds"
+    for step in (1, 2):
+        tag = f"global_step{step}"
+        (save_dir / tag).mkdir(parents=True)
+        engine = ds._engine(store)
+        info = ds._commit_info(tag, save_dir)
+        engine.create(info)
+        engine.save({"module": {"w": torch.full((2, 3), float(step))}, "loss_scaler": ds._ScaleState(2.0),
+                     "global_steps": step}, str(save_dir / tag / ds.MODEL))
+        assert engine.commit(info) is True
+    nebulite.flush_persistence()
+    nebulite.api._reset_for_tests()
+    rows = json.loads(cli("ls", store, "--json").stdout)
+    assert [(r["tag"], r["objects"]) for r in rows] == [("global_step2", [ds.MODEL]),
+                                                        ("global_step1", [ds.MODEL])]
+    # DeepSpeed's own objects are shown by class name, never imported
+    d = json.loads(cli("show", store, "global_step2", "--json").stdout)
+    (obj,) = d["objects"]
+    assert obj["tensors"] == [{"key": "module.w", "dtype": "float32", "shape": [2, 3], "bytes": 24}]
+    values = {v["key"]: v["value"] for v in obj["values"]}
+    assert values["global_steps"] == 2 and values["loss_scaler.scale"] == 2.0
+    assert values["loss_scaler"] == "<test_deepspeed._ScaleState>"
+    assert "loss_scaler = <test_deepspeed._ScaleState>" in cli("show", store, "global_step2").stdout
+    cli("verify", store, "--all")
+    assert [line.split()[2] for line in cli("history", store).stdout.splitlines()[1:]] == [
+        "global_step1", "global_step2"]
+    cli("export", store, "global_step2", "--to", tmp_path / "out", "--format", "safetensors")
+    from safetensors.torch import load_file
+
+    assert torch.equal(load_file(str(tmp_path / "out" / f"{ds.MODEL}.safetensors"))["module.w"],
+                       torch.full((2, 3), 2.0))
+
+
+def test_every_read_command_works_on_a_store_lightnings_callback_wrote(tmp_path, store):
+    lt = pytest.importorskip("test_lightning")
+    callback = lt._callback(tmp_path / "ckpts", store)
+    trainer = lt._trainer(tmp_path, 4, [callback], [lt.NebulaCheckpointIO()])
+    trainer.fit(lt.TinyModule(), lt.loader())
+    nebulite.flush_persistence()
+    nebulite.api._reset_for_tests()
+    rows = json.loads(cli("ls", store, "--json").stdout)
+    assert rows and all(r["state"] == "committed" and r["objects"] == ["checkpoint"] for r in rows)
+    tag = os.path.basename(callback.last_model_path)
+    assert tag in {r["tag"] for r in rows}
+    d = json.loads(cli("show", store, tag, "checkpoint", "--json").stdout)
+    keys = {t["key"] for t in d["objects"][0]["tensors"]}
+    assert "state_dict.layer.weight" in keys
+    assert any(v["key"] == "global_step" for v in d["objects"][0]["values"])
+    cli("verify", store, "--all")
+    assert tag in cli("history", store).stdout
+    cli("export", store, tag, "--to", tmp_path / "out")
+    plain = torch.load(tmp_path / "out" / "checkpoint.pt", weights_only=True)
+    assert torch.equal(plain["state_dict"]["layer.weight"],
+                       torch.load(callback.last_model_path, weights_only=True)["state_dict"]["layer.weight"])
+
+
+@pytest.mark.parametrize("command", ["ls", "show", "verify", "history", "gc", "export", "import",
+                                     "agent", "list"])
+def test_help_of_every_command_shows_an_example(command):
+    out = cli(command, "--help").stdout
+    assert "example" in out and f"nebulite {command}" in out

@@ -177,10 +177,8 @@ def walk(obj: Any, path: str = "") -> Iterator[tuple[str, Any]]:
         for i, v in enumerate(obj):
             yield from walk(v, join(i))
     elif isinstance(obj, Opaque):
-        parts = obj.parts()
-        if not parts:
-            yield path, obj
-        for k, v in parts.items():
+        yield path, obj  # its class, then what it holds
+        for k, v in obj.parts().items():
             yield from walk(v, join(k))
     else:
         yield path, obj
