@@ -42,7 +42,7 @@ def _state(step: int) -> dict[str, Any]:
             dtype=torch.bfloat16)}, "step": step, "note": "hello"}
 
 
-def write_store(root: str, steps: int = 3, retention: int = 5) -> None:
+def write_store(root: str, steps: int = 3, retention: int = 3) -> None:
     """`steps` committed checkpoints global_step0.. with objects model and optimizer."""
     nebulite.init(persistent_storage_path=root, persistent_time_interval=0,
                   num_of_version_in_retention=retention)
@@ -211,6 +211,10 @@ def test_export_torch_and_safetensors_then_import_them_back(api_store, tmp_path)
     back = nebulite.get_checkpoint(tag="from_torch", persist_path=other).load("model")
     assert torch.equal(back["layer"]["weight"], _state(1)["layer"]["weight"])
     cli("verify", other, "--all")
+    # importing into a store with checkpoints keeps them all (no retention)
+    cli("import", api_store, "imported", "--from", tmp_path / "pt")
+    assert [e["tag"] for e in nebulite.list_checkpoints(api_store)] == [
+        "imported", "global_step2", "global_step1", "global_step0"]
 
 
 def test_export_refuses_a_damaged_file(api_store, tmp_path):

@@ -69,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
 
     root = store.root_of(args.path)
     sources = _sources(args.source)
-    nebulite.init(persistent_storage_path=root, persistent_time_interval=0, agent=False)
+    # No retention: importing never deletes the store's other checkpoints.
+    nebulite.init(persistent_storage_path=root, persistent_time_interval=0,
+                  num_of_version_in_retention=0, agent=False)
     try:
         ckpt = nebulite.Checkpoint(args.tag, num_files=nebulite.COMMIT_EXPLICITLY)
         with Progress("import", sum(os.path.getsize(p) for _, p in sources)) as progress:
