@@ -7,7 +7,9 @@ trainer disconnects, whatever it had reserved but not sealed is discarded; what 
 sealed is persisted and committed as if it were still there. The agent exits by itself
 once no trainer has been attached for ``idle_exit`` seconds and nothing is left to persist.
 Only processes of the agent's own user may connect (the socket is 0600 in a 0700
-directory, and the peer's uid is checked).
+directory, and the peer's uid is checked). Two requests need no hello (agent/control.py,
+``nebulite agent status|stop``): ``status`` (what it holds) and ``stop`` (persist the
+newest checkpoint held only in memory, refuse new trainers, exit once the store has it).
 """
 
 from __future__ import annotations
