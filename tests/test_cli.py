@@ -322,3 +322,11 @@ def test_every_read_command_works_on_a_store_lightnings_callback_wrote(tmp_path,
 def test_help_of_every_command_shows_an_example(command):
     out = cli(command, "--help").stdout
     assert "example" in out and f"nebulite {command}" in out
+
+
+def test_running_an_agent_through_the_command_does_not_load_torch():
+    script = ("import sys, nebulite.cli\n"
+              "assert 'torch' not in sys.modules, 'torch loaded'\n")
+    p = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True,
+                       timeout=HANG_TIMEOUT)
+    assert p.returncode == 0, p.stderr[-2000:]

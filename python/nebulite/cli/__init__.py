@@ -16,9 +16,6 @@ import warnings
 from typing import Any
 
 from ..errors import NebuliteError
-from . import agent, export, gc, history, importer, listing, ls, show, verify
-
-_MODULES = (ls, show, verify, history, gc, export, importer, agent, listing)
 
 #: Exit status of a command that failed (verify's "damaged" is 1).
 FAILED = 2
@@ -29,7 +26,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="nebulite", description=__doc__.split("\n\n")[0],
         epilog="Run 'nebulite COMMAND --help' for each command's options and an example.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for m in _MODULES:
+    # Imported here, not with the package: `nebulite agent --root ...` runs an agent, which
+    # must not load what the subcommands need (torch among them).
+    from . import agent, export, gc, history, importer, listing, ls, show, verify
+
+    for m in (ls, show, verify, history, gc, export, importer, agent, listing):
         m.add_parser(sub)
     return parser
 
