@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
 
 from .. import _core
 from .._config import parse_path
