@@ -47,11 +47,11 @@ def request(path: str, op: str, **fields: Any) -> dict[str, Any]:
 
 
 def status_for_root(root: str) -> dict[str, Any] | None:
-    """The status of the agent serving store `root` on this node, or None if none runs."""
-    path = socket_path(root)
+    """The status of the agent serving store `root` on this node, or None if none runs
+    (or none can be reached: no runtime directory, an agent that does not answer)."""
     try:
-        return request(path, "status")
-    except (errors.NotFoundError, errors.AgentLostError):
+        return request(socket_path(root), "status")
+    except errors.NebuliteError:
         return None
 
 
