@@ -670,3 +670,47 @@ def test_importing_nebulite_does_not_import_lightning():
     )
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=TIMEOUT)
     assert r.returncode == 0, r.stderr
+
+
+class _RecordingLogger(L.pytorch.loggers.Logger):
+    """A logger that keeps what it is sent."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.metrics: list[tuple[dict[str, float], int]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def log_metrics(self, metrics: Mapping[str, float], step: Optional[int] = None) -> None:
+        self.metrics.append((dict(metrics), step))
+
+
+def test_callback_logs_each_checkpoints_figures_to_the_trainers_loggers(tmp_path, store):
+    callback = _callback(tmp_path / "ckpts", store)
+    logger = _RecordingLogger()
+    trainer = L.Trainer(default_root_dir=str(tmp_path), max_steps=6, accelerator="cpu", devices=1,
+                        callbacks=[callback], enable_progress_bar=False, enable_model_summary=False,
+                        logger=logger, num_sanity_val_steps=0, log_every_n_steps=1)
+    trainer.fit(TinyModule(), loader())
+    nebulite.flush_persistence()
+    callback._log_checkpoint_metrics(trainer)  # what became known after the last save
+    sent = [m for m, _ in logger.metrics if any(k.startswith("nebulite/") for k in m)]
+    saved = [m for m in sent if "nebulite/blocking_seconds" in m]
+    committed = [m for m in sent if "nebulite/persist_seconds" in m]
+    commits = [r for r in nebulite.history() if r["outcome"] == "committed"]
+    assert len(committed) == len(commits) >= 3 and len(saved) == len(commits)
+    assert sorted(m["nebulite/bytes"] for m in saved) == sorted(float(r["bytes"]) for r in commits)
+    assert all(m["nebulite/blocking_seconds"] >= 0 for m in saved)
+    assert all(m["nebulite/persist_seconds"] > 0 and m["nebulite/throughput_mb_s"] > 0
+               for m in committed)
+    callback._log_checkpoint_metrics(trainer)  # each figure is sent once
+    assert len([m for m, _ in logger.metrics if any(k.startswith("nebulite/") for k in m)]) == len(sent)

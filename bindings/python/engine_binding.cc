@@ -321,6 +321,7 @@ void RegisterEngine(nb::module_& m) {
                d["persist_seconds"] = r.persist_seconds;
                d["tier"] = r.tier;
                d["outcome"] = r.outcome;
+               d["time_unix_ns"] = r.time_unix_ns;
                out.append(d);
              }
              return out;

@@ -267,8 +267,9 @@ void RegisterStorage(nb::module_& m) {
   });
   m.def(
       "remove_dead_runs",
-      [](const std::string& root, const std::string& live_run, double grace_seconds) {
-        // Removes uncommitted versions of runs that died (see nebulite/runs.h).
+      [](const std::string& root, const std::string& live_run, double grace_seconds, bool dry_run) {
+        // Removes uncommitted versions of runs that died (see nebulite/runs.h); with
+        // `dry_run`, only says which.
         Storage* store = StoreFor(root, /*writable=*/true);
         Result<CleanupResult> r = Status::Internal("unset");
         {
@@ -276,12 +277,59 @@ void RegisterStorage(nb::module_& m) {
           int64_t now = std::chrono::duration_cast<std::chrono::nanoseconds>(
                             std::chrono::system_clock::now().time_since_epoch())
                             .count();
-          r = RemoveDeadRunsVersions(store, live_run, grace_seconds, now);
+          r = RemoveDeadRunsVersions(store, live_run, grace_seconds, now, dry_run);
         }
         CleanupResult c = ValueOrThrow(std::move(r));
         return nb::make_tuple(c.removed, c.warnings);
       },
-      nb::arg("root"), nb::arg("live_run"), nb::arg("grace_seconds"));
+      nb::arg("root"), nb::arg("live_run"), nb::arg("grace_seconds"), nb::arg("dry_run") = false);
+
+  // Plain reads of a store, for tools that look at it (the command line): names in a
+  // directory, whether a path exists, a small file whole, and a file by ranges.
+  m.def("list_dir", [](const std::string& root, const std::string& dir) {
+    Storage* store = StoreFor(root);
+    Result<std::vector<std::string>> names = Status::Internal("unset");
+    {
+      nb::gil_scoped_release release;
+      names = store->List(dir);
+    }
+    return ValueOrThrow(std::move(names));
+  });
+  m.def("path_exists", [](const std::string& root, const std::string& path) {
+    return ValueOrThrow(StoreFor(root)->Exists(path));
+  });
+  m.def("read_store_file",
+        [](const std::string& root, const std::string& path, uint64_t max_bytes) {
+          Storage* store = StoreFor(root);
+          Result<std::string> r = Status::Internal("unset");
+          {
+            nb::gil_scoped_release release;
+            r = store->ReadFile(path, max_bytes);
+          }
+          std::string data = ValueOrThrow(std::move(r));
+          return nb::bytes(data.data(), data.size());
+        });
+  nb::class_<ReadableFile>(m, "StoreFile")
+      .def_prop_ro("size", &ReadableFile::size)
+      .def("read", [](ReadableFile& f, uint64_t offset, size_t n) {
+        std::string buf(n, '\0');
+        Result<size_t> got = Status::Internal("unset");
+        {
+          nb::gil_scoped_release release;
+          got = f.ReadAt(offset, n, buf.data());
+        }
+        buf.resize(ValueOrThrow(std::move(got)));
+        return nb::bytes(buf.data(), buf.size());
+      });
+  m.def("open_store_file", [](const std::string& root, const std::string& path) {
+    Storage* store = StoreFor(root);
+    Result<std::unique_ptr<ReadableFile>> f = Status::Internal("unset");
+    {
+      nb::gil_scoped_release release;
+      f = store->NewReadableFile(path);
+    }
+    return ValueOrThrow(std::move(f));
+  });
 
   nb::class_<StoredArchive>(m, "StoredArchive")
       .def_static("open",

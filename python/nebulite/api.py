@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from . import _core, _dist, _staging
+from . import _core, _dist, _staging, _waiting
 from ._save_dir import Placeholders
 from ._config import Config, parse_path, parse_seconds
 from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
@@ -273,6 +273,9 @@ class _Session:
         """Drains pending persistence (for at most the commit timeout), then lets the
         run's lock and the store's writer lease go."""
         try:
+            if self.root and isinstance(self.engine, _core.Engine):  # an agent goes on alone
+                _waiting.wait_written(self.engine, self.config.commit_timeout, self.root,
+                                      "shutdown")
             self.engine.close(self.config.commit_timeout)
             self.replace_placeholders(gone=True)
         finally:
@@ -1133,8 +1136,10 @@ def flush_persistence(timeout: float | None = None) -> None:
                 s.engine.persist(newest["tag"], newest["version"])
                 s.last_persist = time.monotonic()
         engine = s.engine
+    timeout = timeout if timeout is not None else s.config.commit_timeout
     try:
-        engine.flush(timeout if timeout is not None else s.config.commit_timeout)
+        _waiting.wait_written(engine, timeout, s.root, "flush_persistence()")
+        engine.flush(timeout)
     finally:
         s.raise_background_errors()
     with _lock:

@@ -127,6 +127,7 @@ struct HistoryRow {
   uint64_t bytes = 0;
   double blocking_seconds = 0, persist_seconds = 0;
   std::string tier, outcome;
+  int64_t time_unix_ns = 0;  // when the row was added (0 until then)
 };
 
 class Engine {

@@ -47,10 +47,12 @@ struct CleanupResult {
   std::vector<std::string> removed;   // version directories removed
   std::vector<std::string> warnings;  // what could not be looked at or removed
 };
-// Removes the uncommitted versions of dead runs (see above), never `live_run`'s. `now_ns`
-// is the wall clock, compared with the store's mtimes.
+// Removes the uncommitted versions of dead runs (see above), never `live_run`'s (""
+// for none). `now_ns` is the wall clock, compared with the store's mtimes. With `dry_run`,
+// `removed` lists what would be removed, and nothing is.
 Result<CleanupResult> RemoveDeadRunsVersions(Storage* storage, const std::string& live_run,
-                                             double grace_seconds, int64_t now_ns);
+                                             double grace_seconds, int64_t now_ns,
+                                             bool dry_run = false);
 
 // Removes rank `rank`'s files of an uncommitted version this rank will never commit (its
 // trainer abandoned it), then the version's and the tag's directories if they are empty.

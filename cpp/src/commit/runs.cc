@@ -106,7 +106,7 @@ Result<uint64_t> HighestVersionCounter(Storage* storage, const std::string& run,
 }
 
 Result<CleanupResult> RemoveDeadRunsVersions(Storage* storage, const std::string& live_run,
-                                             double grace_seconds, int64_t now_ns) {
+                                             double grace_seconds, int64_t now_ns, bool dry_run) {
   CleanupResult out;
   const int64_t grace_ns = static_cast<int64_t>(std::max(0.0, grace_seconds) * 1e9);
   NEBULITE_ASSIGN_OR_RETURN(std::vector<std::string> tags, storage->List(""));
@@ -142,6 +142,10 @@ Result<CleanupResult> RemoveDeadRunsVersions(Storage* storage, const std::string
         continue;
       }
       if (now_ns - *newest < grace_ns) continue;
+      if (dry_run) {
+        out.removed.push_back(dir);
+        continue;
+      }
       Status st = storage->DeleteRecursively(dir);
       if (!st.ok()) {
         out.warnings.push_back("cannot remove '" + dir + "': " + st.ToString());
@@ -149,7 +153,7 @@ Result<CleanupResult> RemoveDeadRunsVersions(Storage* storage, const std::string
       }
       out.removed.push_back(dir);
     }
-    (void)storage->RemoveDirIfEmpty(tag);
+    if (!dry_run) (void)storage->RemoveDirIfEmpty(tag);
   }
   return out;
 }

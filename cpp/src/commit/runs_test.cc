@@ -79,6 +79,19 @@ TEST(RunsTest, DeadRunCleanupNeedsAFreeLockAndTheGracePeriod) {
   EXPECT_TRUE(r.removed.empty());
 }
 
+// A dry run names what a clean-up would remove, and removes nothing.
+TEST(RunsTest, DeadRunCleanupDryRunRemovesNothing) {
+  auto s = NewMemoryStorage();
+  ASSERT_TRUE(s->WriteFileAtomic("t/vdead-000001/rank0/model", "partial").ok());
+  const int64_t written = Newest(s.get(), "t/vdead-000001/rank0/model");
+  auto r = Val(RemoveDeadRunsVersions(s.get(), "", 60, written + 61 * kSecond, /*dry_run=*/true));
+  EXPECT_EQ(r.removed, (std::vector<std::string>{"t/vdead-000001"}));
+  EXPECT_TRUE(Val(s->Exists("t/vdead-000001/rank0/model")));
+  r = Val(RemoveDeadRunsVersions(s.get(), "", 60, written + 61 * kSecond));
+  EXPECT_EQ(r.removed, (std::vector<std::string>{"t/vdead-000001"}));
+  EXPECT_FALSE(Val(s->Exists("t")));
+}
+
 TEST(RunsTest, AbandonedRankFilesGoUnlessCommitted) {
   auto s = NewMemoryStorage();
   ASSERT_TRUE(s->WriteFileAtomic("t/v/rank1/model", "x").ok());

@@ -18,20 +18,18 @@ std::string CsvField(const std::string& s) {
   return out + "\"";
 }
 
-std::string NowUtc() {
-  auto now = std::chrono::system_clock::now();
-  std::time_t t = std::chrono::system_clock::to_time_t(now);
-  auto ms =
-      std::chrono::duration_cast<std::chrono::milliseconds>(now.time_since_epoch()).count() % 1000;
+}  // namespace
+
+std::string FormatUtc(int64_t unix_ns) {
+  const std::time_t t = static_cast<std::time_t>(unix_ns / 1000000000);
+  const int ms = static_cast<int>(unix_ns / 1000000 % 1000);
   std::tm tm{};
   gmtime_r(&t, &tm);
   char buf[64];
   std::snprintf(buf, sizeof(buf), "%04d-%02d-%02dT%02d:%02d:%02d.%03dZ", tm.tm_year + 1900,
-                tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, static_cast<int>(ms));
+                tm.tm_mon + 1, tm.tm_mday, tm.tm_hour, tm.tm_min, tm.tm_sec, ms);
   return buf;
 }
-
-}  // namespace
 
 const char* HistoryLog::Header() {
   return "time_utc,tag,version,name,rank,bytes,blocking_seconds,persist_seconds,throughput_mb_s,"
@@ -45,11 +43,16 @@ std::string HistoryLog::FormatRow(const HistoryRow& r) {
   std::snprintf(nums, sizeof(nums), "%u,%llu,%.6f,%.6f,%.1f", r.rank,
                 static_cast<unsigned long long>(r.bytes), r.blocking_seconds, r.persist_seconds,
                 mbps);
-  return NowUtc() + "," + CsvField(r.tag) + "," + CsvField(r.version) + "," + CsvField(r.name) +
-         "," + nums + "," + CsvField(r.tier) + "," + CsvField(r.outcome) + "\n";
+  return FormatUtc(r.time_unix_ns) + "," + CsvField(r.tag) + "," + CsvField(r.version) + "," +
+         CsvField(r.name) + "," + nums + "," + CsvField(r.tier) + "," + CsvField(r.outcome) + "\n";
 }
 
-void HistoryLog::Append(const HistoryRow& row) {
+void HistoryLog::Append(HistoryRow row) {
+  if (row.time_unix_ns == 0) {
+    row.time_unix_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
+                           std::chrono::system_clock::now().time_since_epoch())
+                           .count();
+  }
   std::lock_guard<std::mutex> lock(mu_);
   rows_.push_back(row);
   if (rows_.size() > kHistoryRowsKept) rows_.pop_front();

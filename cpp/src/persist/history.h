@@ -21,11 +21,15 @@ namespace nebulite {
 inline constexpr const char* kHistoryFile = "checkpointHistories.csv";
 inline constexpr size_t kHistoryRowsKept = 10000;  // in memory; the file keeps them all
 
+// A wall-clock time as the CSV's time_utc column writes it: 2026-12-01T06:14:28.374Z.
+std::string FormatUtc(int64_t unix_ns);
+
 class HistoryLog {
  public:
   // `storage` receives the CSV (nullptr: rows are kept in memory only).
   explicit HistoryLog(std::shared_ptr<Storage> storage) : storage_(std::move(storage)) {}
-  void Append(const HistoryRow& row);
+  // Adds `row`, with the current time unless it has one.
+  void Append(HistoryRow row);
   std::vector<HistoryRow> Rows();
   static std::string FormatRow(const HistoryRow& row);
   static const char* Header();

@@ -7,7 +7,9 @@ trainer disconnects, whatever it had reserved but not sealed is discarded; what 
 sealed is persisted and committed as if it were still there. The agent exits by itself
 once no trainer has been attached for ``idle_exit`` seconds and nothing is left to persist.
 Only processes of the agent's own user may connect (the socket is 0600 in a 0700
-directory, and the peer's uid is checked).
+directory, and the peer's uid is checked). Two requests need no hello (agent/control.py,
+``nebulite agent status|stop``): ``status`` (what it holds) and ``stop`` (persist the
+newest checkpoint held only in memory, refuse new trainers, exit once the store has it).
 """
 
 from __future__ import annotations
@@ -78,6 +80,7 @@ class Agent:
         self.runs: dict[str, list[int]] = {}  # run id -> [lock fd, references]
         self.cleanups = 0  # detached trainers whose leftovers are still being removed
         self.clients = 0
+        self.stopping = False  # asked to stop: no new trainer, exit once persisted
         self.last_detach = time.monotonic()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -137,8 +140,8 @@ class Agent:
 
     def _idle(self) -> bool:
         with self.lock:
-            if (self.clients or self.cleanups
-                    or time.monotonic() - self.last_detach < self.idle_exit):
+            if not self.stopping and (self.clients or self.cleanups
+                                      or time.monotonic() - self.last_detach < self.idle_exit):
                 return False
             engines = list(self.engines.values())
         for e in engines:
@@ -179,6 +182,45 @@ class Agent:
                 e.close(self.commit_timeout)
             except errors.NebuliteError as ex:
                 log.warning("closing an engine: %s", ex)
+
+    # -- control (``nebulite agent status`` / ``stop``) --------------------------
+
+    def status(self) -> dict[str, Any]:
+        """What this agent holds: its memory, its trainers, and each version in memory."""
+        with self.lock:
+            engines = list(self.engines.items())
+            trainers = sum(self.users.values())
+        versions = []
+        for (rank, world), e in engines:
+            for v in e.versions():
+                versions.append({k: v[k] for k in (
+                    "tag", "version", "seq", "in_memory", "persist_requested", "persisted",
+                    "failed", "store_committed")} | {"rank": rank, "world_size": world})
+        return {"pid": os.getpid(), "root": self.root, "socket": self.socket_path,
+                "capacity": self.arena.capacity, "used": self.arena.used,
+                "trainers": trainers, "stopping": self.stopping, "versions": versions,
+                "pending": sum(1 for v in versions if _pending(v))}
+
+    def stop(self, force: bool) -> None:
+        """Persists the newest committed version each engine holds only in memory, then
+        lets serve_forever() end once everything queued is in the store. Refused while
+        trainers are attached, unless `force` (they are then told the agent is gone)."""
+        with self.lock:
+            trainers = sum(self.users.values())
+            if trainers and not force:
+                raise errors.FailedPreconditionError(
+                    f"{trainers} trainer(s) attached; stop them first or force it")
+            engines = list(self.engines.values())
+        for e in engines if self.root else []:
+            held = [v for v in e.versions()
+                    if v["seq"] and v["in_memory"] and not v["failed"]
+                    and not v["store_committed"]]
+            if held:
+                newest = max(held, key=lambda v: v["seq"])
+                if not newest["persist_requested"]:
+                    e.persist(newest["tag"], newest["version"])
+        with self.lock:  # once queued: serve_forever() ends when the queue is empty
+            self.stopping = True
 
     def _commit(self, engine: Any, tag: str, version: str, persist: bool) -> int:
         """Commits a version on one rank under the number the agent gives it: the one
@@ -357,7 +399,14 @@ class Agent:
     def _dispatch(self, c: _Connection, r: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
         op = r.get("op")
         try:
+            if op == "status":
+                return {"ok": True} | self.status(), []
+            if op == "stop":
+                self.stop(bool(r.get("force")))
+                return {"ok": True, "pid": os.getpid()}, []
             if op == "hello":
+                if self.stopping:
+                    raise errors.FailedPreconditionError("the agent is stopping")
                 if c.engine is not None:  # what it staged belongs to the engine it has
                     raise errors.FailedPreconditionError("this connection already said hello")
                 if r.get("version") != protocol.VERSION:
@@ -467,6 +516,12 @@ class Agent:
                 f"the agent failed on {op!r}: {type(ex).__name__}: {ex}")), []
 
 
+def _pending(v: dict[str, Any]) -> bool:
+    """A committed version queued for the store and not there yet."""
+    return bool(v["seq"] and v["persist_requested"] and not v["store_committed"]
+                and not v["failed"])
+
+
 def _error(ex: BaseException) -> dict[str, Any]:
     kind = type(ex).__name__ if isinstance(ex, errors.NebuliteError) else "InvalidArgumentError"
     return {"ok": False, "error": {"type": kind, "message": str(ex)}}
@@ -524,6 +579,33 @@ def _records(r: dict[str, Any]) -> list[tuple[str, int]]:
     return specs
 
 
+#: The agent's log (beside its socket) is rotated at this size, keeping LOG_BACKUPS old ones.
+LOG_BYTES = 4 << 20
+LOG_BACKUPS = 2
+
+
+def log_path(socket_path: str) -> str:
+    """The agent's log file: beside its socket, agent-<scope>.log."""
+    return socket_path[: -len(".sock")] + ".log"
+
+
+def _log_beside(socket_path: str) -> None:
+    """Logs the ``nebulite`` loggers of this process to the rotated file beside the socket
+    (and to a terminal, when the agent was started by hand in one)."""
+    from logging.handlers import RotatingFileHandler
+
+    fmt = logging.Formatter("%(asctime)s %(process)d %(name)s %(levelname)s: %(message)s")
+    handlers: list[logging.Handler] = [
+        RotatingFileHandler(log_path(socket_path), maxBytes=LOG_BYTES, backupCount=LOG_BACKUPS)]
+    if sys.stderr.isatty():
+        handlers.append(logging.StreamHandler())
+    top = logging.getLogger("nebulite")
+    for h in handlers:
+        h.setFormatter(fmt)
+        top.addHandler(h)
+    top.setLevel(logging.INFO)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="nebulite agent", description=__doc__)
     p.add_argument("--root", default="",
@@ -549,13 +631,12 @@ def main(argv: list[str] | None = None) -> int:
         os._exit(0)  # before any thread is started: the child goes on alone
     if a.root:
         a.root = os.path.abspath(a.root[len("file://"):] if a.root.startswith("file://") else a.root)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-
     def make() -> Agent:
         return Agent(a.socket, a.root, a.memory, a.retention, a.commit_timeout, a.io_threads,
                      a.idle_exit, a.prefault, file_mode=a.file_mode)
 
     if a.socket is not None:  # started by a trainer, which holds the start lock
+        _log_beside(a.socket)
         agent = make()
     else:  # by hand: the trainers' socket, unless an agent already serves it
         from .client import _connect, socket_path
@@ -568,6 +649,7 @@ def main(argv: list[str] | None = None) -> int:
                 other.close()
                 print(f"nebulite agent: an agent already serves {a.socket}", file=sys.stderr)
                 return 1
+            _log_beside(a.socket)
             agent = make()
     agent.serve_forever()
     return 0

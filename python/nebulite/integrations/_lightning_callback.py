@@ -11,6 +11,7 @@ from typing import Any, Literal, Optional, Union
 
 from .. import api
 from .._config import Config
+from .._history import summarise
 from ..errors import InvalidArgumentError
 from ._lightning_io import WRAPPED_REFUSAL, adopt_carried, carry_config, refuse_url
 
@@ -108,6 +109,7 @@ class NebulaCallbackMixin:
         )
         self.config_params: dict[str, Any] = dict(config_params or {})
         self._carried_config: Optional[Config] = None
+        self._logged: set[tuple[str, str, str]] = set()  # (tag, version, what) sent to loggers
 
     def __getstate__(self) -> dict[str, Any]:
         return carry_config(self.__dict__)
@@ -186,3 +188,31 @@ class NebulaCallbackMixin:
                 super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
         else:
             super()._save_checkpoint(trainer, filepath)  # type: ignore[misc]
+        self._log_checkpoint_metrics(trainer)
+
+    def on_train_end(self, trainer: Any, pl_module: Any) -> None:
+        super().on_train_end(trainer, pl_module)  # type: ignore[misc]
+        self._log_checkpoint_metrics(trainer)
+
+    def _log_checkpoint_metrics(self, trainer: Any) -> None:
+        """Sends each checkpoint's figures to the trainer's loggers (TensorBoard, CSV, W&B...)
+        once known: ``nebulite/blocking_seconds`` and ``nebulite/bytes`` once it is saved,
+        ``nebulite/persist_seconds`` and ``nebulite/throughput_mb_s`` once it is committed
+        in the store. Logged at the step they become known, by the global rank 0."""
+        loggers = list(getattr(trainer, "loggers", None) or [])
+        if not loggers or not trainer.is_global_zero or api._config() is None:
+            return
+        for c in summarise(api.history()):
+            metrics: dict[str, float] = {}
+            if (c.tag, c.version, "saved") not in self._logged:
+                self._logged.add((c.tag, c.version, "saved"))
+                metrics.update({"nebulite/blocking_seconds": c.blocking_seconds,
+                                "nebulite/bytes": float(c.bytes)})
+            if c.persist_seconds is not None and (c.tag, c.version, "committed") not in self._logged:
+                self._logged.add((c.tag, c.version, "committed"))
+                metrics["nebulite/persist_seconds"] = c.persist_seconds
+                if c.throughput_mb_s is not None:
+                    metrics["nebulite/throughput_mb_s"] = c.throughput_mb_s
+            if metrics:
+                for logger in loggers:
+                    logger.log_metrics(metrics, step=trainer.global_step)
