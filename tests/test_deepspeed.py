@@ -564,30 +564,6 @@ def test_placeholders_become_the_committed_files(tmp_path, store):
     assert sorted(os.listdir(save_dir / "global_step3")) == sorted(os.path.basename(p) for p in paths)
 
 
-
-def test_placeholders_of_a_checkpoint_held_in_memory_are_replaced_once_it_is_persisted(tmp_path, store):
-    """With persistent_time_interval, a checkpoint between two persisted ones is held in
-    memory only: its placeholders stay until it reaches the store (flush_persistence() at
-    the end of a run), and are replaced then."""
-    save_dir = tmp_path / "ds"
-    engine = _engine(store, persistent_time_interval=3600)
-    paths = {}
-    for step in (1, 2):
-        tag = f"global_step{step}"
-        (save_dir / tag).mkdir(parents=True)
-        paths[tag] = str(save_dir / tag / MODEL)
-        info = _commit_info(tag, save_dir)
-        engine.create(info)
-        engine.save({"module": {"w": torch.full((3,), float(step))}}, paths[tag])
-        assert engine.commit(info) is True
-    in_store = {e["tag"] for e in nebulite.list_checkpoints(store) if e["persisted"]}
-    assert "global_step2" not in in_store  # held in memory only, for now
-    assert torch.load(paths["global_step2"], weights_only=False) == ""  # DeepSpeed's placeholder
-    nebulite.flush_persistence()
-    for step, tag in ((1, "global_step1"), (2, "global_step2")):
-        loaded = torch.load(paths[tag], weights_only=False)
-        assert torch.equal(loaded["module"]["w"], torch.full((3,), float(step)))
-
 # -- DeepSpeed's own checkpoint scenarios, ZeRO 3 ---------------------------------------------
 
 RELOAD_WORKER = os.path.join(os.path.dirname(__file__), "workers", "deepspeed_reload_worker.py")
