@@ -562,3 +562,82 @@ def test_placeholders_become_the_committed_files(tmp_path, store):
     assert zero["optimizer_state_dict"]["step"] == 3
     assert torch.equal(zero["optimizer_state_dict"]["m"], torch.ones(4))
     assert sorted(os.listdir(save_dir / "global_step3")) == sorted(os.path.basename(p) for p in paths)
+
+
+def test_placeholders_of_a_checkpoint_held_in_memory_are_replaced_once_it_is_persisted(tmp_path, store):
+    """With persistent_time_interval, a checkpoint between two persisted ones is held in
+    memory only: its placeholders stay until it reaches the store (flush_persistence() at
+    the end of a run), and are replaced then."""
+    save_dir = tmp_path / "ds"
+    engine = _engine(store, persistent_time_interval=3600)
+    paths = {}
+    for step in (1, 2):
+        tag = f"global_step{step}"
+        (save_dir / tag).mkdir(parents=True)
+        paths[tag] = str(save_dir / tag / MODEL)
+        info = _commit_info(tag, save_dir)
+        engine.create(info)
+        engine.save({"module": {"w": torch.full((3,), float(step))}}, paths[tag])
+        assert engine.commit(info) is True
+    in_store = {e["tag"] for e in nebulite.list_checkpoints(store) if e["persisted"]}
+    assert "global_step2" not in in_store  # held in memory only, for now
+    assert torch.load(paths["global_step2"], weights_only=False) == ""  # DeepSpeed's placeholder
+    nebulite.flush_persistence()
+    for step, tag in ((1, "global_step1"), (2, "global_step2")):
+        loaded = torch.load(paths[tag], weights_only=False)
+        assert torch.equal(loaded["module"]["w"], torch.full((3,), float(step)))
+
+
+# -- DeepSpeed's own checkpoint scenarios, ZeRO 3 ---------------------------------------------
+
+RELOAD_WORKER = os.path.join(os.path.dirname(__file__), "workers", "deepspeed_reload_worker.py")
+
+
+def _run_reload_worker(workdir: Path, world: int, nebula: dict[str, Any], env: dict[str, str]) -> list[dict[str, Any]]:
+    port = _free_port()
+    procs = [subprocess.Popen([sys.executable, RELOAD_WORKER, str(workdir), str(r), str(world), str(port),
+                               json.dumps(nebula)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for r in range(world)]
+    try:
+        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    results = []
+    for r, (p, (out, err)) in enumerate(zip(procs, outs)):
+        lines = [line for line in out.splitlines() if line.startswith("RESULT ")]
+        assert p.returncode == 0 and lines, f"rank {r} exited {p.returncode}\n{out[-2000:]}\n{err[-6000:]}"
+        results.append(json.loads(lines[-1][len("RESULT "):]))
+    return results
+
+
+@pytest.mark.parametrize("agent", [True, False], ids=["agent", "embedded"])
+@pytest.mark.parametrize("store", [True, False], ids=["store", "memory-only"])
+def test_zero3_loads_straight_after_saving_as_deepspeeds_own_tests_do(tmp_path, agent, store):
+    """DeepSpeed's checkpoint tests (load with and without optimizer states, module only,
+    immediate save/load, load then save) with ZeRO 3 on 2 ranks: the load happens in the
+    processes that saved, straight after the save, while the checkpoint is in memory only
+    (persistent_time_interval: the second engine's init() keeps the memory tier). Some of
+    DeepSpeed's ZeRO-3 loads read its save_dir files themselves: they hold the checkpoint.
+    The module's parameters are not compared here: DeepSpeed's CPU build reads ZeRO-3's
+    whole parameters before its gathers land now and then, with its stock engine too; the
+    fp32 partitions and zero_to_fp32's model are what it rebuilds them from."""
+    nebula: dict[str, Any] = {"enabled": True}
+    if store:
+        nebula.update(persistent_storage_path=str(tmp_path / "nebula"), persistent_time_interval=100)
+    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
+    try:
+        env = _child_env(NEBULITE_AGENT="1" if agent else "0", NEBULITE_RUNTIME_DIR=runtime)
+        results = _run_reload_worker(tmp_path, 2, nebula, env)
+    finally:
+        remove_runtime_dir(runtime)
+    for rank, result in enumerate(results):
+        for scenario, got in result.items():
+            assert got["placeholders"] == [], (rank, scenario, "save_dir still holds placeholders")
+            assert got["files_differ"] == [], (rank, scenario)
+            # What DeepSpeed's ZeRO-3 loads without optimizer states (and zero_to_fp32.py) read.
+            assert got["zero_to_fp32"] == "ok", (rank, scenario, "zero_to_fp32 differs from the saved model")
+            if scenario in ("reload_optimizer", "immediate_load", "load_then_save"):
+                assert got["same_fp32"] == "ok", (rank, scenario, "the loaded fp32 partitions differ from the saved ones")

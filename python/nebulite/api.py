@@ -126,8 +126,17 @@ class _OpenVersion:
 class _Session:
     """Everything init() sets up; one per process."""
 
+    @staticmethod
+    def selection(config: Config) -> tuple[Any, ...]:
+        """Everything that decides which engine and run a session gets: its configuration,
+        the rank and world, and the environment that names the run and the node's agent."""
+        env = tuple(os.environ.get(v) for v in (
+            "NEBULITE_RUN_ID", "NEBULITE_NODE_ID", "NEBULITE_RUNTIME_DIR", "XDG_RUNTIME_DIR", "TMPDIR"))
+        return (config, _dist.rank_and_world(), _dist.initialized(), env)
+
     def __init__(self, config: Config) -> None:
         self.config = config
+        self.selected = self.selection(config)
         rank, world = _dist.rank_and_world()
         self.rank = config.rank if config.rank is not None else rank
         self.world_size = config.world_size if config.world_size is not None else world
@@ -175,6 +184,10 @@ class _Session:
                       "made by this process itself (embedded mode)", RuntimeWarning, stacklevel=4)
         return self._open_embedded(self.config)
 
+    def healthy(self) -> bool:
+        """False once its agent stopped answering or another job took its writer lease."""
+        return not getattr(self.engine, "lost", False) and self.lease_lost() is None
+
     def fall_back_if_agent_lost(self) -> None:
         """With agent_fallback, replaces an agent that stopped answering by the embedded
         engine, once: versions open in the agent are forgotten (their saves failed)."""
@@ -211,6 +224,7 @@ class _Session:
         self.pending: list[Any] = []  # record sets whose deferred copies may be running
         self.open: dict[str, _OpenVersion] = {}
         self.placeholders = Placeholders()  # DeepSpeed's files in its save_dir
+        self.deepspeed_loaded: set[tuple[str, str]] = set()  # versions DeepSpeed loaded
         self.last_persist: float | None = None
         # Version names continue after every one of this run's in the store and in the
         # agent's memory (a run id may be reused), and are never reused within the run.
@@ -281,10 +295,11 @@ class _Session:
 
     def replace_placeholders(self, gone: bool = False) -> None:
         """Replaces DeepSpeed's placeholders of versions now committed in the store by the
-        committed files (see nebulite._save_dir)."""
-        if self.root and self.placeholders.waiting:
-            committed = {(e["tag"], e["version"]) for e in _store_entries(self.root)}
-            self.placeholders.replace_committed(self.root, committed, gone)
+        committed files (see nebulite._save_dir); with `gone`, forgets the others."""
+        if self.placeholders.waiting:
+            committed = {(e["tag"], e["version"]) for e in _store_entries(self.root)} if self.root else set()
+            alive = None if gone else {(v["tag"], v["version"]) for v in self.engine.versions()}
+            self.placeholders.replace_committed(self.root or "", committed, alive)
 
     def _release_lease(self) -> None:
         if self._lease is not None:
@@ -387,7 +402,10 @@ def init(
             StoreInUseError), ``lease_ttl`` (seconds, default ``$NEBULITE_LEASE_TTL``, else
             180: how long the job's writer lease of the path lives without renewal).
 
-    Calling init() again drains the previous configuration's pending work first.
+    Calling init() again with the same configuration, in the same process environment
+    (run id, node id, runtime directory, rank and world), keeps the session and its memory
+    tier (a second DeepSpeed engine or Lightning strategy in one process calls it again);
+    otherwise it drains the previous configuration's pending work first.
     """
     _open(Config.resolve(
         persistent_storage_path, persistent_time_interval, num_of_version_in_retention, dict(more)
@@ -397,6 +415,9 @@ def init(
 def _open(config: Config) -> None:
     global _session
     with _lock:
+        if (_session is not None and _session.selected == _Session.selection(config)
+                and _session.healthy()):
+            return
         if _session is not None:
             old, _session = _session, None
             old.close()
@@ -617,7 +638,7 @@ class Checkpoint:
         persist = bool(s.root) and bool(due_all or must)
         s.seq = max(s.seq, seq)
         s.engine.commit(self.tag, v.version, seq, persist)
-        s.placeholders.committed(self.tag, v.version, s.rank, persist)
+        s.placeholders.committed(self.tag, v.version, s.rank)
         if persist:
             s.last_persist = now
         del s.open[self.tag]
@@ -649,7 +670,8 @@ class Checkpoint:
         checkpoint engine, which gives none, loads as DeepSpeed's own ``torch.load`` engine
         does: ``weights_only=False``, from the path its configuration names.
         """
-        if weights_only is None and sys._getframe(1).f_globals.get("__name__") in _FULL_UNPICKLING_CALLERS:
+        from_deepspeed = sys._getframe(1).f_globals.get("__name__") in _FULL_UNPICKLING_CALLERS
+        if weights_only is None and from_deepspeed:
             weights_only = False
         weights_only = resolve_weights_only(weights_only)
         if not self._committed:
@@ -661,6 +683,8 @@ class Checkpoint:
             if not found._committed:
                 raise NotFoundError(f"checkpoint {self.tag!r} is not committed")
             self._committed = found._committed
+        if from_deepspeed and self._committed["tier"] == "memory":
+            _make_save_dir_real(self._committed["tag"], self._committed["version"])
         _validate(name, "name")
         c = self._committed
         if c["tier"] == "memory":
@@ -964,8 +988,12 @@ def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoi
     def usable(e: dict[str, Any]) -> bool:
         if e["tier"] == "memory":
             # Held in memory: loadable by every rank when they share one node's agent, or
-            # once it is committed in the store too.
-            return shared or bool(e.get("in_store"))
+            # once it is committed in the store too (every rank persists it now and waits).
+            # Without a store, each rank loads what it holds itself, and an object another
+            # rank holds is a clear error.
+            if shared or e.get("in_store") or not s.root:
+                return True
+            return _persist_and_wait(s, e)
         world = int(e["world_size"])
         mine = [r for r in range(world) if r % s.world_size == s.rank]
         return _verify(e["root"], e, mine, prefetch_rank=s.rank if s.rank < world else None)
@@ -979,6 +1007,44 @@ def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoi
         if newest == -minus_oldest:
             return _handle(found) if found is not None else Checkpoint("", _committed=None)
         bound = -minus_oldest
+
+
+def _persist_and_wait(s: _Session, e: dict[str, Any]) -> bool:
+    """Persists memory-tier version `e` (a committed one) unless it is on its way already,
+    and waits until it is committed in the store; True once it is."""
+    if e["in_memory"] and not e["persist_requested"]:
+        s.engine.persist(e["tag"], e["version"])
+        s.last_persist = time.monotonic()
+    try:
+        s.engine.flush(s.config.commit_timeout)
+    except NebuliteError as ex:
+        log.warning("nebulite: checkpoint %r could not be persisted: %s", e["tag"], ex)
+    stored = _find_committed(s.root, e["tag"], e["version"]) if s.root else None
+    if stored is None:
+        return False
+    e["in_store"] = True
+    return True
+
+
+def _make_save_dir_real(tag: str, version: str) -> None:
+    """DeepSpeed loads `version` of `tag` from the memory tier; some of its readers open the
+    files in its save_dir themselves: make them real (see nebulite._save_dir). Every rank
+    runs this on its first DeepSpeed load of the version, as every rank loads."""
+    with _lock:
+        s = _require_session()
+        if (tag, version) in s.deepspeed_loaded:
+            return
+        s.deepspeed_loaded.add((tag, version))
+        held = next((v for v in s.engine.versions() if (v["tag"], v["version"]) == (tag, version)), None)
+        if s.root:
+            if held is not None and _persist_and_wait(s, held):
+                s.placeholders.replace_every_rank(s.root, tag, version)
+            return
+        if held is not None:
+            memory = _handle(dict(held, tier="memory", root=None, world_size=s.world_size, in_store=False))
+            s.placeholders.write_from_memory(tag, version, lambda name: memory.load(name, weights_only=False))
+        if s.coordinated:
+            _dist.all_reduce_max([0])  # no rank reads the files before every rank wrote its own
 
 
 def get_latest_checkpoint(persist_path: str | os.PathLike[str] | None = None) -> Checkpoint:

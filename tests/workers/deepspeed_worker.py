@@ -44,15 +44,28 @@ STEPS_PER_SAVE = 2
 STAGES = (0, 1, 2, 3)
 
 
+def _bits(t: Any) -> Any:
+    """The bytes of tensor `t`, in element order."""
+    import torch
+
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
 def same(a: Any, b: Any, path: str = "") -> str:
     """'' when `a` and `b` are equal (tensors: bit for bit, with dtype and shape), else
     where they first differ."""
     import torch
 
     if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        ok = (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-              and a.shape == b.shape and torch.equal(a, b))
-        return "" if ok else f"{path}: tensors differ"
+        if not (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor)):
+            return f"{path}: {type(a).__name__} != {type(b).__name__}"
+        if a.dtype != b.dtype or a.shape != b.shape:
+            return f"{path}: {a.dtype}{list(a.shape)} != {b.dtype}{list(b.shape)}"
+        if torch.equal(_bits(a), _bits(b)):  # bit for bit: a NaN equals the same NaN
+            return ""
+        differ = int((_bits(a) != _bits(b)).sum())
+        nans = [int(t.isnan().sum()) if t.is_floating_point() else 0 for t in (a, b)]
+        return f"{path}: tensors differ ({differ} of {_bits(a).numel()} bytes; NaNs {nans[0]} and {nans[1]})"
     if isinstance(a, dict):
         if not isinstance(b, dict) or a.keys() != b.keys():
             return f"{path}: keys {sorted(map(str, a))} != {sorted(map(str, b)) if isinstance(b, dict) else b!r}"
