@@ -612,6 +612,19 @@ def test_ddp_spawn_workers_save_where_the_main_process_s_init_says(tmp_path, sto
     assert result["loaded_weights"] == result["end_weights"]
 
 
+def test_ddp_spawn_workers_with_the_node_agent(tmp_path, store, agent_env):
+    """The same script with init()'s default, the node agent: the spawned workers attach to
+    the node's agent, which persists what they commit, and the main process finds it."""
+    [result] = _launch("ddp_spawn", tmp_path, store, 4, world=1, NEBULITE_AGENT="1")
+    paths = sorted(glob.glob(str(tmp_path / "ckpts" / "*.ckpt")))
+    assert [os.path.basename(p) for p in paths] == ["epoch=0-step=2.ckpt", "epoch=1-step=4.ckpt", "last.ckpt"]
+    for path in paths:
+        _assert_nebulite_file(path, store)
+    assert result["session_agent"] is True
+    assert result["latest_tag"] == "last.ckpt" and result["latest_step"] == 4
+    assert result["loaded_weights"] == result["end_weights"]
+
+
 @pytest.mark.parametrize("stage", [0, 2])
 def test_deepspeed_strategy_two_processes(tmp_path, store, stage):
     """NebulaDeepspeedStrategy on the CPU (gloo, DeepSpeed's CPU accelerator): DeepSpeed saves

@@ -175,7 +175,8 @@ def run_ddp_spawn(out: str, store: str, ckpt_dir: str, max_steps: int, ckpt_path
     result = dict(rank=0, best_model_path=callback.best_model_path,
                   best_step=torch.load(callback.best_model_path, weights_only=True)["global_step"],
                   end_weights=weights(module), loaded_weights=weights(loaded), latest_tag=latest.tag,
-                  latest_step=latest.load("checkpoint")["global_step"] if latest.tag else None)
+                  latest_step=latest.load("checkpoint")["global_step"] if latest.tag else None,
+                  session_agent=nm.session_info().get("agent_pid") is not None)
     with open(f"{out}.rank0", "w") as f:
         json.dump(result, f)
 
