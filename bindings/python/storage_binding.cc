@@ -107,6 +107,9 @@ void RegisterStorage(nb::module_& m) {
   m.def("data_file_path",
         [](const std::string& tag, const std::string& version, uint32_t rank,
            const std::string& name) { return DataFilePath(tag, version, rank, name); });
+  m.def("commit_marker_path", [](const std::string& tag, const std::string& version) {
+    return CommitMarkerPath(tag, version);
+  });
   m.def("validate_component", [](const std::string& c, const std::string& what) {
     ThrowIfError(ValidatePathComponent(c, what.c_str()));
   });

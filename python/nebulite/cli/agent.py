@@ -15,31 +15,27 @@ from ..agent import control
 from ..agent.client import socket_path
 from ..errors import NotFoundError
 from . import output, store
+from .command import subcommand
 
 #: Seconds of waiting after which ``stop --wait`` says what it waits for.
 QUIET_SECONDS = 3.0
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "agent", help="status of this node's agents, or stop them",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
-        epilog="examples:\n  nebulite agent status\n  nebulite agent stop --wait\n"
-               "  nebulite agent stop --root /mnt/ckpt/run1")
+    p = subcommand(sub, "agent", help="status of this node's agents, or stop them", doc=__doc__,
+                   run=run, path=None, examples=["nebulite agent status", "nebulite agent stop --wait",
+                                                 "nebulite agent stop --root /mnt/ckpt/run1"])
     what = p.add_subparsers(dest="action", required=True, metavar="ACTION")
-    st = what.add_parser("status", help="pid, store, memory, versions held, pending",
-                         epilog="example:\n  nebulite agent status --json",
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    st = subcommand(what, "status", help="pid, store, memory, versions held, pending", path=None,
+                    examples=["nebulite agent status --json"])
     st.add_argument("--json", action="store_true", help="print JSON, for scripts")
-    sp = what.add_parser("stop", help="persist what is committed, then exit",
-                         epilog="example:\n  nebulite agent stop --wait --timeout 600",
-                         formatter_class=argparse.RawDescriptionHelpFormatter)
+    sp = subcommand(what, "stop", help="persist what is committed, then exit", path=None,
+                    examples=["nebulite agent stop --wait --timeout 600"])
     sp.add_argument("--root", metavar="PATH", help="only the agent of this store")
     sp.add_argument("--wait", action="store_true", help="return once it has exited")
     sp.add_argument("--timeout", type=float, default=3600.0, help="seconds --wait waits")
     sp.add_argument("--force", action="store_true",
                     help="stop it even while trainers are attached")
-    p.set_defaults(run=run)
 
 
 def _statuses() -> list[dict[str, Any]]:

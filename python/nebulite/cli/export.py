@@ -22,24 +22,22 @@ import torch
 from .. import _core
 from ..errors import CorruptCheckpointError, NotFoundError
 from . import objects, skeleton, store
+from .command import subcommand
 from .progress import Progress
 
 CHUNK = 16 << 20
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "export", help="write a checkpoint as plain torch.save or safetensors files",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
-        epilog="example:\n  nebulite export /mnt/ckpt/run1 global_step500 --to ./step500 "
-               "--format safetensors")
-    p.add_argument("path", metavar="PATH", help="the store (persistent_storage_path)")
+    p = subcommand(sub, "export", help="write a checkpoint as plain torch.save or safetensors files",
+                   doc=__doc__, run=run,
+                   examples=["nebulite export /mnt/ckpt/run1 global_step500 --to ./step500 "
+                             "--format safetensors"])
     p.add_argument("tag", metavar="TAG")
     p.add_argument("--to", required=True, metavar="DIR", help="directory to write (created)")
     p.add_argument("--format", choices=("torch", "safetensors"), default="torch")
     p.add_argument("--version", help="a version of the tag other than its newest")
     p.add_argument("--object", help="only this object")
-    p.set_defaults(run=run)
 
 
 def _stem(v: store.Version, f: store.DataFile) -> str:

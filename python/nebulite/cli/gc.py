@@ -13,19 +13,17 @@ from typing import Any
 from .. import _core
 from .._config import Config
 from . import store
+from .command import subcommand
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "gc", help="remove uncommitted leftovers of runs that died",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
-        epilog="examples:\n  nebulite gc /mnt/ckpt/run1 --dry-run\n  nebulite gc /mnt/ckpt/run1")
-    p.add_argument("path", metavar="PATH", help="the store (persistent_storage_path)")
+    p = subcommand(sub, "gc", help="remove uncommitted leftovers of runs that died", doc=__doc__,
+                   run=run, examples=["nebulite gc /mnt/ckpt/run1 --dry-run",
+                                      "nebulite gc /mnt/ckpt/run1"])
     p.add_argument("--dry-run", action="store_true", help="only print what would be removed")
     p.add_argument("--grace", metavar="SECONDS", default=None,
                    help="seconds a leftover must be unchanged (default: as init() resolves "
                         "dead_run_grace, $NEBULITE_DEAD_RUN_GRACE included)")
-    p.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -16,21 +16,20 @@ from typing import Any
 from .. import _core
 from .._history import summarise
 from . import output, store
+from .command import subcommand
 
 HISTORY_FILE = "checkpointHistories.csv"
 MAX_HISTORY_BYTES = 1 << 30
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "history", help="per checkpoint: blocking time, persistence time, bytes, throughput",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
-        epilog="examples:\n  nebulite history /mnt/ckpt/run1\n"
-               "  nebulite history /mnt/ckpt/run1/checkpointHistories.csv --plot run1.png")
-    p.add_argument("path", metavar="PATH", help="a store, or a checkpointHistories.csv file")
+    p = subcommand(sub, "history",
+                   help="per checkpoint: blocking time, persistence time, bytes, throughput",
+                   doc=__doc__, run=run, path="a store, or a checkpointHistories.csv file",
+                   examples=["nebulite history /mnt/ckpt/run1",
+                             "nebulite history /mnt/ckpt/run1/checkpointHistories.csv --plot run1.png"])
     p.add_argument("--plot", metavar="FILE.png", help="also draw the history into this PNG")
     p.add_argument("--json", action="store_true", help="print JSON, for scripts")
-    p.set_defaults(run=run)
 
 
 def read_rows(path: str) -> list[dict[str, str]]:

@@ -14,22 +14,20 @@ from typing import Any
 
 from ..errors import InvalidArgumentError, NotFoundError
 from . import store
+from .command import subcommand
 from .progress import Progress
 
 TORCH_SUFFIXES = (".pt", ".pth", ".bin", ".ckpt")
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "import", help="make torch.save / safetensors files a committed checkpoint",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
-        epilog="example:\n  nebulite import /mnt/ckpt/run1 pretrained --from ./hf-model")
-    p.add_argument("path", metavar="PATH", help="the store (persistent_storage_path)")
+    p = subcommand(sub, "import", help="make torch.save / safetensors files a committed checkpoint",
+                   doc=__doc__, run=run,
+                   examples=["nebulite import /mnt/ckpt/run1 pretrained --from ./hf-model"])
     p.add_argument("tag", metavar="TAG")
     p.add_argument("--from", dest="source", required=True, metavar="DIR")
     p.add_argument("--unsafe-unpickle", action="store_true",
                    help="read torch files with full unpickling (weights_only=False)")
-    p.set_defaults(run=run)
 
 
 def _sources(directory: str) -> list[tuple[str, str]]:

@@ -6,15 +6,12 @@ import argparse
 from typing import Any
 
 from .output import print_json
+from .command import subcommand
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "list", help="the committed checkpoints as list_checkpoints() returns them (JSON)",
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-        description=__doc__, epilog="example:\n  nebulite list /mnt/ckpt/run1")
-    p.add_argument("path", metavar="PATH")
-    p.set_defaults(run=run)
+    subcommand(sub, "list", help="the committed checkpoints as list_checkpoints() returns them (JSON)",
+               doc=__doc__, run=run, examples=["nebulite list /mnt/ckpt/run1"])
 
 
 def run(args: argparse.Namespace) -> int:

@@ -9,16 +9,13 @@ from typing import Any
 
 from ..agent import control
 from . import output, store
+from .command import subcommand
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "ls", help="list the checkpoints of a store",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
-        epilog="example:\n  nebulite ls /mnt/ckpt/run1\n  nebulite ls /mnt/ckpt/run1 --json")
-    p.add_argument("path", metavar="PATH", help="the store (persistent_storage_path)")
+    p = subcommand(sub, "ls", help="list the checkpoints of a store", doc=__doc__, run=run,
+                   examples=["nebulite ls /mnt/ckpt/run1", "nebulite ls /mnt/ckpt/run1 --json"])
     p.add_argument("--json", action="store_true", help="print JSON, for scripts")
-    p.set_defaults(run=run)
 
 
 def rows(root: str) -> list[dict[str, Any]]:

@@ -9,19 +9,16 @@ from typing import Any
 
 from ..errors import NotFoundError
 from . import objects, output, skeleton, store
+from .command import subcommand
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "show", help="show the objects, tensors and values of a checkpoint",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
-        epilog="example:\n  nebulite show /mnt/ckpt/run1 global_step500 model")
-    p.add_argument("path", metavar="PATH", help="the store (persistent_storage_path)")
+    p = subcommand(sub, "show", help="show the objects, tensors and values of a checkpoint",
+                   doc=__doc__, run=run, examples=["nebulite show /mnt/ckpt/run1 global_step500 model"])
     p.add_argument("tag", metavar="TAG")
     p.add_argument("object", metavar="OBJECT", nargs="?", help="only this object")
     p.add_argument("--version", help="a version of the tag other than its newest")
     p.add_argument("--json", action="store_true", help="print JSON, for scripts")
-    p.set_defaults(run=run)
 
 
 def describe(root: str, v: store.Version, only: str | None) -> dict[str, Any]:

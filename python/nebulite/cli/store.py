@@ -103,6 +103,6 @@ def uncommitted(root: str) -> list[tuple[str, str]]:
         for version in versions:
             if _core.parse_version_name(version) is None:
                 continue
-            if not _core.path_exists(root, f"{tag}/{version}/COMMITTED"):
+            if not _core.path_exists(root, _core.commit_marker_path(tag, version)):
                 out.append((tag, version))
     return out

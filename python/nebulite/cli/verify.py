@@ -12,23 +12,21 @@ from typing import Any
 from .. import _core
 from ..errors import CorruptCheckpointError, NotFoundError
 from . import output, store
+from .command import subcommand
 from .progress import Progress
 
 DAMAGED = 1
 
 
 def add_parser(sub: Any) -> None:
-    p = sub.add_parser(
-        "verify", help="check a checkpoint's files against their checksums",
-        formatter_class=argparse.RawDescriptionHelpFormatter, description=__doc__,
-        epilog="examples:\n  nebulite verify /mnt/ckpt/run1               # the newest\n"
-               "  nebulite verify /mnt/ckpt/run1 global_step500\n"
-               "  nebulite verify /mnt/ckpt/run1 --all")
-    p.add_argument("path", metavar="PATH", help="the store (persistent_storage_path)")
+    p = subcommand(sub, "verify", help="check a checkpoint's files against their checksums",
+                   doc=__doc__, run=run,
+                   examples=["nebulite verify /mnt/ckpt/run1               # the newest",
+                             "nebulite verify /mnt/ckpt/run1 global_step500",
+                             "nebulite verify /mnt/ckpt/run1 --all"])
     which = p.add_mutually_exclusive_group()
     which.add_argument("tag", metavar="TAG", nargs="?", help="the newest version of this tag")
     which.add_argument("--all", action="store_true", help="every committed version")
-    p.set_defaults(run=run)
 
 
 def check_file(root: str, f: store.DataFile) -> None:
