@@ -330,3 +330,15 @@ def test_running_an_agent_through_the_command_does_not_load_torch():
     p = subprocess.run([sys.executable, "-c", script], env=_env(), capture_output=True, text=True,
                        timeout=HANG_TIMEOUT)
     assert p.returncode == 0, p.stderr[-2000:]
+
+
+def test_looking_for_agents_creates_no_runtime_directory(api_store, tmp_path):
+    """ls and agent status/stop only look: on a node where no agent ever ran, they find
+    none and leave no runtime directory behind."""
+    tmpdir = tmp_path / "tmp"
+    tmpdir.mkdir()
+    env = {"TMPDIR": str(tmpdir), "XDG_RUNTIME_DIR": "", "NEBULITE_RUNTIME_DIR": ""}
+    assert "global_step2" in cli("ls", api_store, **env).stdout
+    cli("agent", "status", **env)
+    cli("agent", "stop", "--root", api_store, code=None, **env)
+    assert list(tmpdir.iterdir()) == []

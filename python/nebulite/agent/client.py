@@ -46,27 +46,32 @@ _MAX_WAIT = 1e9  # seconds: longer never ends anyway, and stays within select()'
 RUNTIME_DIR_CANDIDATES = 16
 
 
-def _private_dir(path: str) -> bool:
+def _private_dir(path: str, create: bool = True) -> bool:
     """Creates `path` as a private directory, or accepts it if it already is one of this
     user's: a real directory (not a symlink), owned by this uid, mode 0700. Anything else
-    is left untouched (never chmod'ed, never followed)."""
-    try:
-        os.mkdir(path, 0o700)
-    except FileExistsError:
-        pass
-    except OSError:
-        return False
+    is left untouched (never chmod'ed, never followed). Without `create`, a missing `path`
+    is accepted as it is: it would be created there, and nothing lives in it yet."""
+    if create:
+        try:
+            os.mkdir(path, 0o700)
+        except FileExistsError:
+            pass
+        except OSError:
+            return False
     try:
         st = os.lstat(path)
+    except FileNotFoundError:
+        return not create
     except OSError:
         return False
     return (stat.S_ISDIR(st.st_mode) and st.st_uid == os.getuid()
             and stat.S_IMODE(st.st_mode) == 0o700)
 
 
-def runtime_dir() -> str:
+def runtime_dir(create: bool = True) -> str:
     """A per-user directory (0700) for agent sockets, locks and logs. Every process of one
-    user on a node finds the same one, so the ranks of a job share one agent:
+    user on a node finds the same one, so the ranks of a job share one agent (`create`:
+    False to only look for agents, leaving a missing directory missing):
 
     1. ``$NEBULITE_RUNTIME_DIR`` when set (it must be private: it is never replaced);
     2. ``$XDG_RUNTIME_DIR/nebulite`` when ``$XDG_RUNTIME_DIR`` is set;
@@ -77,8 +82,9 @@ def runtime_dir() -> str:
     uid = os.getuid()
     explicit = os.environ.get("NEBULITE_RUNTIME_DIR")
     if explicit:
-        os.makedirs(os.path.dirname(os.path.abspath(explicit)), exist_ok=True)
-        if not _private_dir(explicit):
+        if create:
+            os.makedirs(os.path.dirname(os.path.abspath(explicit)), exist_ok=True)
+        if not _private_dir(explicit, create):
             raise errors.StoragePermissionError(
                 f"NEBULITE_RUNTIME_DIR={explicit} must be a directory of uid {uid} with "
                 "mode 0700 (not a symlink)")
@@ -86,13 +92,13 @@ def runtime_dir() -> str:
     xdg = os.environ.get("XDG_RUNTIME_DIR")
     if xdg and os.path.isabs(xdg):
         path = os.path.join(xdg, "nebulite")
-        if _private_dir(path):
+        if _private_dir(path, create):
             return path
     base = os.path.join(os.environ.get("TMPDIR") or "/tmp", f"nebulite-{uid}")
     tried = []
     for i in range(RUNTIME_DIR_CANDIDATES):
         path = base if i == 0 else f"{base}.{i}"
-        if _private_dir(path):
+        if _private_dir(path, create):
             if i:
                 log.warning("nebulite: %s is not a private directory of uid %d; using %s",
                             base, uid, path)
@@ -117,9 +123,9 @@ def scope_name(root: str | None) -> str:
     return hashlib.sha1(f"{node_id()}\0{scope}".encode()).hexdigest()[:16]
 
 
-def socket_path(root: str | None) -> str:
-    """Where the agent of this node and storage scope listens."""
-    path = os.path.join(runtime_dir(), f"agent-{scope_name(root)}.sock")
+def socket_path(root: str | None, create: bool = True) -> str:
+    """Where the agent of this node and storage scope listens (`create`: as runtime_dir())."""
+    path = os.path.join(runtime_dir(create), f"agent-{scope_name(root)}.sock")
     if len(os.fsencode(path)) > 107:  # sockaddr_un.sun_path
         raise errors.InvalidArgumentError(
             f"the agent's socket path {path!r} is longer than a Unix socket allows; "

@@ -1,6 +1,7 @@
 """Talking to the agents of this user on this node without attaching as a trainer:
 ``status`` (what an agent holds) and ``stop`` (persist what is committed, then exit).
-Used by ``nebulite agent status|stop`` and ``nebulite ls``."""
+Used by ``nebulite agent status|stop`` and ``nebulite ls``, which only look: they never
+create the runtime directory."""
 
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ TIMEOUT = 10.0
 def running() -> list[str]:
     """The sockets of this user's agents on this node that accept connections."""
     out = []
-    for path in sorted(glob.glob(os.path.join(runtime_dir(), "agent-*.sock"))):
+    for path in sorted(glob.glob(os.path.join(runtime_dir(create=False), "agent-*.sock"))):
         s = _connect(path)
         if s is not None:
             s.close()
@@ -50,7 +51,7 @@ def status_for_root(root: str) -> dict[str, Any] | None:
     """The status of the agent serving store `root` on this node, or None if none runs
     (or none can be reached: no runtime directory, an agent that does not answer)."""
     try:
-        return request(socket_path(root), "status")
+        return request(socket_path(root, create=False), "status")
     except errors.NebuliteError:
         return None
 

@@ -78,7 +78,7 @@ def _waiting(a: dict[str, Any]) -> str:
 
 def stop(args: argparse.Namespace) -> int:
     if args.root:
-        paths = [socket_path(store.root_of(args.root))]
+        paths = [socket_path(store.root_of(args.root), create=False)]
     else:
         paths = control.running()
     if not paths:
