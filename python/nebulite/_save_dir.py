@@ -81,17 +81,22 @@ class Placeholders:
                 still.append(p)
         self._waiting = still
 
-    def replace_every_rank(self, root: str, tag: str, version: str) -> None:
+    def replace_every_rank(self, root: str, tag: str, version: str, world_size: int) -> None:
         """Replaces the files of every rank of committed `version` in the directories of this
         rank's placeholders of it (DeepSpeed's readers open the other ranks' files too)."""
         mine = [p for p in self._waiting if (p.tag, p.version) == (tag, version)]
         for directory in sorted({os.path.dirname(p.path) for p in mine}):
-            for rank in range(_world_size(root, tag, version)):
-                manifest = _core.read_manifest(root, tag, version, rank)
-                for name, size, _crc in ((f[0], int(f[1]), f[2]) for f in manifest["files"]):
+            for rank in range(world_size):
+                try:
+                    files = _core.read_manifest(root, tag, version, rank)["files"]
+                except NebuliteError as e:
+                    log.warning("nebulite: rank %d's files of %s stay DeepSpeed's placeholders: %s",
+                                rank, tag, e)
+                    continue
+                for name, size, crc in ((f[0], int(f[1]), int(f[2])) for f in files):
                     path = os.path.join(directory, name)
                     if os.path.isfile(path) and os.path.getsize(path) != size:
-                        _copy_committed(root, tag, version, rank, name, path)
+                        _copy_file(root, tag, version, rank, name, size, crc, path)
         self._waiting = [p for p in self._waiting if p not in mine]
 
     def write_from_memory(self, tag: str, version: str, load: Callable[[str], Any]) -> None:
@@ -107,18 +112,22 @@ class Placeholders:
         self._waiting = [p for p in self._waiting if p not in mine]
 
 
-def _world_size(root: str, tag: str, version: str) -> int:
-    entries, _ = _core.read_catalog(root)
-    return next((int(e["world_size"]) for e in entries if (e["tag"], e["version"]) == (tag, version)), 1)
-
-
 def _copy_committed(root: str, tag: str, version: str, rank: int, name: str, path: str) -> None:
     try:
         manifest = _core.read_manifest(root, tag, version, rank)
-        entry = next((f for f in manifest["files"] if f[0] == name), None)
-        if entry is None:
-            return
-        size, crc = int(entry[1]), int(entry[2])
+    except NebuliteError as e:
+        log.warning("nebulite: %s stays DeepSpeed's placeholder: %s", path, e)
+        return
+    entry = next((f for f in manifest["files"] if f[0] == name), None)
+    if entry is not None:
+        _copy_file(root, tag, version, rank, name, int(entry[1]), int(entry[2]), path)
+
+
+def _copy_file(root: str, tag: str, version: str, rank: int, name: str, size: int, crc: int,
+               path: str) -> None:
+    """Copies committed data file `name` of `rank` (its size and CRC-32 as its manifest
+    gives them, and checked) over `path`."""
+    try:
         data = torch.empty(size, dtype=torch.uint8)
         rel = _core.data_file_path(tag, version, rank, name)
         _core.read_data_file(root, rel, name, size, crc, [(0, size, data.data_ptr())])

@@ -993,7 +993,7 @@ def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoi
             # rank holds is a clear error.
             if shared or e.get("in_store") or not s.root:
                 return True
-            return _persist_and_wait(s, e)
+            return _persist_and_wait(s, e) is not None
         world = int(e["world_size"])
         mine = [r for r in range(world) if r % s.world_size == s.rank]
         return _verify(e["root"], e, mine, prefetch_rank=s.rank if s.rank < world else None)
@@ -1009,9 +1009,9 @@ def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoi
         bound = -minus_oldest
 
 
-def _persist_and_wait(s: _Session, e: dict[str, Any]) -> bool:
+def _persist_and_wait(s: _Session, e: dict[str, Any]) -> dict[str, Any] | None:
     """Persists memory-tier version `e` (a committed one) unless it is on its way already,
-    and waits until it is committed in the store; True once it is."""
+    and waits until it is committed in the store; its store entry once it is, else None."""
     if e["in_memory"] and not e["persist_requested"]:
         s.engine.persist(e["tag"], e["version"])
         s.last_persist = time.monotonic()
@@ -1020,10 +1020,9 @@ def _persist_and_wait(s: _Session, e: dict[str, Any]) -> bool:
     except NebuliteError as ex:
         log.warning("nebulite: checkpoint %r could not be persisted: %s", e["tag"], ex)
     stored = _find_committed(s.root, e["tag"], e["version"]) if s.root else None
-    if stored is None:
-        return False
-    e["in_store"] = True
-    return True
+    if stored is not None:
+        e["in_store"] = True
+    return stored
 
 
 def _make_save_dir_real(tag: str, version: str) -> None:
@@ -1037,8 +1036,9 @@ def _make_save_dir_real(tag: str, version: str) -> None:
         s.deepspeed_loaded.add((tag, version))
         held = next((v for v in s.engine.versions() if (v["tag"], v["version"]) == (tag, version)), None)
         if s.root:
-            if held is not None and _persist_and_wait(s, held):
-                s.placeholders.replace_every_rank(s.root, tag, version)
+            stored = _persist_and_wait(s, held) if held is not None else None
+            if stored is not None:
+                s.placeholders.replace_every_rank(s.root, tag, version, int(stored["world_size"]))
             return
         if held is not None:
             memory = _handle(dict(held, tier="memory", root=None, world_size=s.world_size, in_store=False))
