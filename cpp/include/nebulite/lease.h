@@ -10,6 +10,8 @@
 //  1. its lock is held: a held lock proves a live holder on any filesystem; else
 //  2. its host is another host and it was renewed less than its TTL ago: locks may be
 //     node-local (Lustre localflock, FUSE), so a free lock proves nothing there.
+// Object stores have no locks: there, a lease of this host whose process is gone belongs
+// to a dead process, and the renewal time decides the rest.
 // A lease of this host whose lock is free belongs to a dead process: a job restarted
 // after a crash takes over at once (a node agent still persisting the dead trainer's last
 // checkpoint never holds the lease lock, so it does not block the restart). A missing

@@ -10,6 +10,10 @@
 //     another node looks dead; a run that writes keeps its files fresh, and one that
 //     waits for its other ranks waits at most its commit timeout, which the grace
 //     exceeds.
+// Object stores have no locks: there, rule 2 alone decides (an object appears when its
+// upload completes, so a version whose one file uploads for longer than the grace looks
+// dead: the default grace, an hour, covers terabytes), HoldRun holds nothing and
+// RunIsAlive is FailedPrecondition.
 // Thread-safety: free functions.
 #pragma once
 

@@ -5,8 +5,9 @@
 //
 // Paths are relative to the store's root, '/'-separated, and never contain "..",
 // empty components or a leading '/'. Drivers: posix (local disk, NFS, Lustre,
-// blobfuse mounts; read-write or read-only), memory (tests), fault (wraps any driver;
-// drops unsynced data and fails chosen operations, for crash tests).
+// blobfuse mounts; read-write or read-only), object (Azure Blob, ADLS, S3, GCS through an
+// ObjectClient, nebulite/object_store.h), memory (tests), fault (wraps any driver; drops
+// unsynced data and fails chosen operations, for crash tests).
 //
 // Durability contract (what the commit protocol relies on):
 //  - data written through a WritableFile is durable after its Sync() returns;
@@ -16,7 +17,14 @@
 //  - CreateFileExclusive() is WriteFileAtomic() that fails if the target exists, decided
 //    atomically by the store (two writers racing for one name: exactly one wins).
 // Readers: a ReadableFile reads the file it opened, whole, even when the name is deleted
-// or replaced meanwhile (posix keeps the inode; other drivers pin the version).
+// or replaced meanwhile (posix keeps the inode; memory keeps the bytes). Object stores
+// pin the version they opened: a read after it was replaced or deleted fails (IOError),
+// it never returns another version's bytes.
+// Object stores (is_object_store()) differ in four ways, which the callers that care
+// check: a directory is only the common prefix of the files below it (an empty one does
+// not exist; CreateDirs and SyncDir do nothing), Rename is a copy and a delete (not
+// atomic), TryLock fails (no lock is shared between processes), and a data file is
+// written whole by WriteWholeFile, never through a WritableFile and a rename.
 // Only regular files are data: anything else at a file's path (a directory, a FIFO, a
 // device) is refused without being opened for I/O, so it can never block a reader.
 // Thread-safety: every method of a Storage may be called concurrently; one
@@ -33,6 +41,12 @@
 #include "nebulite/status.h"
 
 namespace nebulite {
+
+// Bytes to write, borrowed for the duration of a call.
+struct ByteSpan {
+  const void* data = nullptr;
+  size_t size = 0;
+};
 
 class WritableFile {
  public:
@@ -77,12 +91,19 @@ class Storage {
   virtual std::string Describe() const = 0;
   // True if the store was opened for reading only: every change is PermissionDenied.
   virtual bool read_only() const { return false; }
+  // True for object stores (see the contract above).
+  virtual bool is_object_store() const { return false; }
 
   // -- writing ------------------------------------------------------------------------
   // Creates (or truncates) `path`, creating missing parent directories. `size` is the
   // final size when known (0 if not); drivers may preallocate it.
   virtual Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
                                                                 uint64_t size) = 0;
+  // Writes the concatenation of `pieces` as the file `path`, atomically and durably: it
+  // appears whole or not at all. Object stores upload it straight from the pieces (parts
+  // in parallel); other drivers write it through a WritableFile under a temporary name
+  // and rename it. The pieces must stay unchanged until it returns.
+  virtual Status WriteWholeFile(const std::string& path, const std::vector<ByteSpan>& pieces);
   // Writes a small file atomically and durably (see the contract above).
   virtual Status WriteFileAtomic(const std::string& path, const std::string& data) = 0;
   // As WriteFileAtomic, for a file only its owner may read and write (posix: mode 0600).

@@ -1,6 +1,9 @@
 // The writer lease; see nebulite/lease.h for the rules.
 #include "nebulite/lease.h"
 
+#include <signal.h>
+
+#include <cerrno>
 #include <chrono>
 #include <condition_variable>
 #include <cstdio>
@@ -76,8 +79,13 @@ Result<LeaseState> ReadLease(Storage* storage, const std::string& host, int64_t 
     return out;
   }
   // 2. A free lock proves a dead holder only on the holder's own host; elsewhere the
-  //    renewal time decides.
+  //    renewal time decides. Object stores have no locks: on the holder's host, its
+  //    process being gone proves it dead.
   if (out.lease.host == host && held == 0) return out;
+  if (out.lease.host == host && storage->is_object_store() && out.lease.pid > 0 &&
+      ::kill(static_cast<pid_t>(out.lease.pid), 0) != 0 && errno == ESRCH) {
+    return out;
+  }
   const int64_t ttl_ns = static_cast<int64_t>(out.lease.ttl_seconds) * 1000000000;
   out.live = now_ns - out.lease.renewed_unix_ns < ttl_ns;
   return out;
@@ -133,7 +141,7 @@ struct LeaseKeeper::State {
       lost = StoreInUseError(storage->Describe(), state.lease, now);
       return lost;
     }
-    if (lock == nullptr) {
+    if (lock == nullptr && !storage->is_object_store()) {
       Result<std::unique_ptr<StoreLock>> l = storage->TryLock(kLeaseLockPath, true);
       if (l.ok()) lock = std::move(l).value();
     }
@@ -174,7 +182,8 @@ Result<std::unique_ptr<LeaseKeeper>> LeaseKeeper::Acquire(Storage* storage, Leas
     // The lock proves this job alive to the processes of this host (and, where locks are
     // shared, of every host). Another process checking the lease holds it for an instant.
     const bool ours = current.present && current.lease.run == me.run;
-    for (int attempt = 0; attempt < 200 && state->lock == nullptr; ++attempt) {
+    for (int attempt = 0; attempt < 200 && state->lock == nullptr && !storage->is_object_store();
+         ++attempt) {
       Result<std::unique_ptr<StoreLock>> lock = storage->TryLock(kLeaseLockPath, true);
       if (!lock.ok()) {
         state->Warn("cannot lock " + std::string(kLeaseLockPath) + ": " + lock.status().ToString());

@@ -69,13 +69,21 @@ bool ParseVersionName(const std::string& version, std::string* run, uint64_t* co
   return true;
 }
 
+// What HoldRun returns on a store without locks.
+class NoLock final : public StoreLock {};
+
 Result<std::unique_ptr<StoreLock>> HoldRun(Storage* storage, const std::string& run) {
   NEBULITE_RETURN_IF_ERROR(ValidateRunId(run));
+  if (storage->is_object_store()) return std::unique_ptr<StoreLock>(new NoLock);
   return storage->TryLock(RunLockPath(run), /*exclusive=*/false);
 }
 
 Result<bool> RunIsAlive(Storage* storage, const std::string& run) {
   NEBULITE_RETURN_IF_ERROR(ValidateRunId(run));
+  if (storage->is_object_store()) {
+    return Status::FailedPrecondition(storage->Describe() +
+                                      " is an object store: it cannot tell which runs are alive");
+  }
   NEBULITE_ASSIGN_OR_RETURN(bool exists, storage->Exists(RunLockPath(run)));
   if (!exists) return false;
   NEBULITE_ASSIGN_OR_RETURN(std::unique_ptr<StoreLock> lock,
@@ -126,7 +134,9 @@ Result<CleanupResult> RemoveDeadRunsVersions(Storage* storage, const std::string
       if (!committed.ok() || *committed) continue;
       // 1. Its run's lock must be free: hold it exclusively while deciding, so that a
       //    process of that run starting now waits for the decision (HoldRun fails).
-      Result<std::unique_ptr<StoreLock>> lock = storage->TryLock(RunLockPath(run), true);
+      //    Object stores have none: the grace alone decides.
+      Result<std::unique_ptr<StoreLock>> lock = std::unique_ptr<StoreLock>(new NoLock);
+      if (!storage->is_object_store()) lock = storage->TryLock(RunLockPath(run), true);
       if (!lock.ok()) {
         out.warnings.push_back("cannot tell whether run " + run +
                                " is alive: " + lock.status().ToString());

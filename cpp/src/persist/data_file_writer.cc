@@ -38,6 +38,7 @@ struct Checksums {
 
 // Writes the n bytes at `data` as file bytes [offset, offset + n), in kChunk pieces on
 // `io`, checksumming every region piece they hold; `sums` is extended in file order.
+// With no `file`, only checksums.
 Status WriteChunks(WritableFile* file, uint64_t offset, const uint8_t* data, uint64_t n,
                    const std::vector<Region>& regions, CopyEngine* io, Checksums* sums) {
   struct Piece {
@@ -58,7 +59,7 @@ Status WriteChunks(WritableFile* file, uint64_t offset, const uint8_t* data, uin
       if (p0 < p1)
         pieces[c].push_back({it->record, p1 - p0, Crc32(0, data + (p0 - offset), p1 - p0)});
     }
-    status[c] = file->WriteAt(c0, data + (c0 - offset), c1 - c0);
+    if (file != nullptr) status[c] = file->WriteAt(c0, data + (c0 - offset), c1 - c0);
   };
   if (io != nullptr) {
     io->ParallelFor(nchunks, work);
@@ -74,6 +75,42 @@ Status WriteChunks(WritableFile* file, uint64_t offset, const uint8_t* data, uin
     }
   }
   return Status::OK();
+}
+
+// CRC-32 of each record's payload, read from `records` in kChunk pieces on `io`.
+std::vector<uint32_t> RecordCrcs(const format::ArchiveLayout& layout,
+                                 const std::vector<SourceRecord>& records, CopyEngine* io) {
+  struct Piece {
+    size_t record;
+    uint64_t offset, len;
+    uint32_t crc = 0;
+  };
+  std::vector<Piece> pieces;
+  const auto& place = layout.records();
+  for (size_t i = 0; i < place.size(); ++i)
+    for (uint64_t off = 0; off < place[i].size; off += kChunk)
+      pieces.push_back({i, off, std::min(kChunk, place[i].size - off)});
+  auto work = [&](size_t k) {
+    Piece& p = pieces[k];
+    p.crc = Crc32(0, static_cast<const uint8_t*>(records[p.record].data) + p.offset, p.len);
+  };
+  if (io != nullptr) {
+    io->ParallelFor(pieces.size(), work);
+  } else {
+    for (size_t k = 0; k < pieces.size(); ++k) work(k);
+  }
+  std::vector<uint32_t> crcs(place.size(), 0);
+  for (const Piece& p : pieces) crcs[p.record] = Crc32Combine(crcs[p.record], p.crc, p.len);
+  return crcs;
+}
+
+// Stores that write whole files (object stores): `pieces` become the data file at its
+// final name in one call; it appears complete or not at all.
+Result<ManifestFile> PublishWhole(Storage* storage, const DataFileId& id, uint64_t size,
+                                  const std::vector<ByteSpan>& pieces, uint32_t crc) {
+  NEBULITE_RETURN_IF_ERROR(
+      storage->WriteWholeFile(DataFilePath(id.tag, id.version, id.rank, id.name), pieces));
+  return ManifestFile{id.name, size, crc};
 }
 
 // Steps 1 and 3-4 of the protocol around `write` (step 2).
@@ -107,22 +144,34 @@ Result<ManifestFile> DataFileWriter::WriteImage(const DataFileId& id,
   const std::vector<Region> regions = Regions(layout);
   NEBULITE_ASSIGN_OR_RETURN(std::string tail, layout.Tail(crcs));
   const uint32_t expected = DataFileCrc(layout, crcs, tail);
+  auto check = [&](const Checksums& sums) -> Status {
+    for (size_t i = 0; i < place.size(); ++i) {
+      if (sums.record[i] != crcs[i]) {
+        return Status::Corruption("record '" + place[i].name + "' of '" + id.name +
+                                  "' changed in memory after it was saved (its CRC-32 differs "
+                                  "from the one computed while it was staged)");
+      }
+    }
+    if (sums.file != expected) {
+      return Status::Corruption("the headers of '" + id.name +
+                                "' changed in memory after it was saved");
+    }
+    return Status::OK();
+  };
+  if (storage_->is_object_store()) {  // checked first, then uploaded straight from memory
+    Checksums sums(place.size());
+    NEBULITE_RETURN_IF_ERROR(
+        WriteChunks(nullptr, 0, image, layout.file_size(), regions, io_, &sums));
+    NEBULITE_RETURN_IF_ERROR(check(sums));
+    return PublishWhole(storage_, id, layout.file_size(), {{image, layout.file_size()}},
+                        expected);
+  }
   return WriteAndPublish(
       storage_, id, layout.file_size(), [&](WritableFile* file) -> Result<uint32_t> {
         Checksums sums(place.size());
         NEBULITE_RETURN_IF_ERROR(
             WriteChunks(file, 0, image, layout.file_size(), regions, io_, &sums));
-        for (size_t i = 0; i < place.size(); ++i) {
-          if (sums.record[i] != crcs[i]) {
-            return Status::Corruption("record '" + place[i].name + "' of '" + id.name +
-                                      "' changed in memory after it was saved (its CRC-32 differs "
-                                      "from the one computed while it was staged)");
-          }
-        }
-        if (sums.file != expected) {
-          return Status::Corruption("the headers of '" + id.name +
-                                    "' changed in memory after it was saved");
-        }
+        NEBULITE_RETURN_IF_ERROR(check(sums));
         return sums.file;
       });
 }
@@ -138,6 +187,22 @@ Result<ManifestFile> DataFileWriter::WriteStreamed(const DataFileId& id,
   if (records.size() != place.size())
     return Status::InvalidArgument("records do not match the layout");
   const std::vector<Region> regions = Regions(layout);
+  if (storage_->is_object_store()) {
+    // The records' CRCs first, so that the headers are final: the file is uploaded in one
+    // pass, from the records themselves, with no window.
+    const std::vector<uint32_t> crcs = RecordCrcs(layout, records, io_);
+    std::vector<std::string> headers;
+    for (size_t i = 0; i < place.size(); ++i) headers.push_back(layout.LocalHeader(i, crcs[i]));
+    NEBULITE_ASSIGN_OR_RETURN(std::string tail, layout.Tail(crcs));
+    std::vector<ByteSpan> pieces;
+    for (size_t i = 0; i < place.size(); ++i) {
+      pieces.push_back({headers[i].data(), headers[i].size()});
+      pieces.push_back({records[i].data, static_cast<size_t>(place[i].size)});
+    }
+    pieces.push_back({tail.data(), tail.size()});
+    return PublishWhole(storage_, id, layout.file_size(), pieces,
+                        DataFileCrc(layout, crcs, tail));
+  }
   return WriteAndPublish(
       storage_, id, layout.file_size(), [&](WritableFile* file) -> Result<uint32_t> {
         std::vector<std::string> headers;

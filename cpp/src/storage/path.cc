@@ -1,6 +1,8 @@
 // Path helpers shared by every driver (validation of components, joining) and the
 // non-virtual conveniences of Storage.
+#include <memory>
 #include <string>
+#include <vector>
 
 #include "base/utf8.h"
 #include "nebulite/storage.h"
@@ -49,6 +51,28 @@ Result<uint64_t> Storage::FileSize(const std::string& path) {
     return Status::InvalidArgument("'" + path + "' is not a regular file");
   }
   return info.size;
+}
+
+Status Storage::WriteWholeFile(const std::string& path, const std::vector<ByteSpan>& pieces) {
+  NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "path", false));
+  const std::string name = BaseName(path);
+  const std::string temp = JoinPath(ParentDir(path), "." + name.substr(0, 200) + ".whole.partial");
+  uint64_t size = 0;
+  for (const ByteSpan& p : pieces) size += p.size;
+  NEBULITE_ASSIGN_OR_RETURN(std::unique_ptr<WritableFile> file, NewWritableFile(temp, size));
+  Status st;
+  uint64_t offset = 0;
+  for (const ByteSpan& p : pieces) {
+    if (st.ok() && p.size > 0) st = file->WriteAt(offset, p.data, p.size);
+    offset += p.size;
+  }
+  if (st.ok()) st = file->Sync();
+  Status closed = file->Close();
+  if (st.ok()) st = closed;
+  if (st.ok()) st = Rename(temp, path);
+  if (st.ok()) st = SyncDir(ParentDir(path));
+  if (!st.ok()) (void)Delete(temp);
+  return st;
 }
 
 }  // namespace nebulite

@@ -97,6 +97,7 @@ class FaultStorageImpl final : public FaultStorage {
   explicit FaultStorageImpl(Storage* base) : base_(base) {}
 
   std::string Describe() const override { return "fault:" + base_->Describe(); }
+  bool is_object_store() const override { return base_->is_object_store(); }
 
   void FailAfter(StorageOp op, int skip, Status status) override {
     std::lock_guard<std::mutex> lock(mu_);

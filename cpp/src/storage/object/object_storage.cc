@@ -1,0 +1,272 @@
+// Storage over an ObjectClient; the rules are at the top of nebulite/object_store.h.
+#include <algorithm>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <vector>
+
+#include "nebulite/object_store.h"
+#include "storage/path_internal.h"
+
+namespace nebulite {
+namespace {
+
+using internal::ValidateRelativePath;
+
+std::string DirPrefix(const std::string& dir) { return dir.empty() ? "" : dir + "/"; }
+
+class ObjectReadableFile final : public ReadableFile {
+ public:
+  ObjectReadableFile(std::shared_ptr<ObjectClient> client, std::string key, ObjectInfo info)
+      : client_(std::move(client)), key_(std::move(key)), info_(std::move(info)) {}
+  uint64_t size() const override { return info_.size; }
+  Result<size_t> ReadAt(uint64_t offset, size_t n, void* dst) override {
+    if (offset >= info_.size || n == 0) return size_t{0};
+    n = static_cast<size_t>(std::min<uint64_t>(n, info_.size - offset));
+    Result<size_t> got = client_->Get(key_, offset, n, dst, info_.etag);
+    if (!got.ok() && got.status().code() == StatusCode::kNotFound) {
+      return Status::IOError("'" + key_ + "' was deleted after it was opened for reading");
+    }
+    return got;
+  }
+
+ private:
+  std::shared_ptr<ObjectClient> client_;
+  std::string key_;
+  ObjectInfo info_;
+};
+
+// Holds what is written in memory; Sync() puts it whole.
+class ObjectWritableFile final : public WritableFile {
+ public:
+  ObjectWritableFile(std::shared_ptr<ObjectClient> client, std::string key, uint64_t size)
+      : client_(std::move(client)), key_(std::move(key)) {
+    data_.reserve(static_cast<size_t>(std::min<uint64_t>(size, 64ull << 20)));
+  }
+  Status WriteAt(uint64_t offset, const void* data, size_t n) override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return Status::FailedPrecondition("'" + key_ + "' is closed");
+    if (n == 0) return Status::OK();
+    if (data_.size() < offset + n) data_.resize(static_cast<size_t>(offset + n), '\0');
+    std::memcpy(data_.data() + offset, data, n);
+    return Status::OK();
+  }
+  Status Sync() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return Status::FailedPrecondition("'" + key_ + "' is closed");
+    return client_->Put(key_, {ByteSpan{data_.data(), data_.size()}}, false);
+  }
+  Status Close() override {
+    std::lock_guard<std::mutex> lock(mu_);
+    closed_ = true;
+    std::string().swap(data_);
+    return Status::OK();
+  }
+
+ private:
+  std::shared_ptr<ObjectClient> client_;
+  const std::string key_;
+  std::mutex mu_;
+  std::string data_;     // GUARDED_BY(mu_)
+  bool closed_ = false;  // GUARDED_BY(mu_)
+};
+
+class ObjectStorage final : public Storage {
+ public:
+  ObjectStorage(std::shared_ptr<ObjectClient> client, bool read_only)
+      : client_(std::move(client)), read_only_(read_only) {}
+
+  std::string Describe() const override { return client_->Describe(); }
+  bool read_only() const override { return read_only_; }
+  bool is_object_store() const override { return true; }
+
+  Result<std::unique_ptr<WritableFile>> NewWritableFile(const std::string& path,
+                                                        uint64_t size) override {
+    NEBULITE_RETURN_IF_ERROR(CheckWrite(path));
+    return std::unique_ptr<WritableFile>(new ObjectWritableFile(client_, path, size));
+  }
+
+  Status WriteWholeFile(const std::string& path, const std::vector<ByteSpan>& pieces) override {
+    NEBULITE_RETURN_IF_ERROR(CheckWrite(path));
+    return client_->Put(path, pieces, false);
+  }
+
+  Status WriteFileAtomic(const std::string& path, const std::string& data) override {
+    NEBULITE_RETURN_IF_ERROR(CheckWrite(path));
+    return client_->Put(path, {ByteSpan{data.data(), data.size()}}, false);
+  }
+
+  Status CreateFileExclusive(const std::string& path, const std::string& data) override {
+    NEBULITE_RETURN_IF_ERROR(CheckWrite(path));
+    return client_->Put(path, {ByteSpan{data.data(), data.size()}}, true);
+  }
+
+  Status AppendToFile(const std::string& path, const std::string& data) override {
+    NEBULITE_RETURN_IF_ERROR(CheckWrite(path));
+    std::lock_guard<std::mutex> lock(append_mu_);
+    std::string content;
+    Result<ObjectInfo> info = client_->Head(path);
+    if (info.ok()) {
+      content.resize(static_cast<size_t>(info->size));
+      NEBULITE_ASSIGN_OR_RETURN(size_t got,
+                                client_->Get(path, 0, content.size(), content.data(), info->etag));
+      content.resize(got);
+    } else if (info.status().code() != StatusCode::kNotFound) {
+      return info.status();
+    }
+    content += data;
+    return client_->Put(path, {ByteSpan{content.data(), content.size()}}, false);
+  }
+
+  Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
+    NEBULITE_ASSIGN_OR_RETURN(ObjectInfo info, HeadFile(path));
+    return std::unique_ptr<ReadableFile>(new ObjectReadableFile(client_, path, std::move(info)));
+  }
+
+  Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) override {
+    NEBULITE_ASSIGN_OR_RETURN(ObjectInfo info, HeadFile(path));
+    if (info.size > max_bytes) {
+      return Status::Corruption("'" + path + "' has " + std::to_string(info.size) +
+                                " bytes, more than the " + std::to_string(max_bytes) + " expected");
+    }
+    std::string out(static_cast<size_t>(info.size), '\0');
+    if (!out.empty()) {
+      NEBULITE_ASSIGN_OR_RETURN(size_t got,
+                                client_->Get(path, 0, out.size(), out.data(), info.etag));
+      if (got != out.size()) return Status::IOError("'" + path + "' shrank while being read");
+    }
+    return out;
+  }
+
+  Result<FileInfo> Stat(const std::string& path) override {
+    NEBULITE_RETURN_IF_ERROR(ValidateRelativePath(path, "path", true));
+    if (path.empty()) return FileInfo{FileType::kDirectory, 0, 0};
+    Result<ObjectInfo> info = client_->Head(path);
+    if (info.ok()) return FileInfo{FileType::kFile, info->size, info->mtime_ns};
+    if (info.status().code() != StatusCode::kNotFound) return info.status();
+    NEBULITE_ASSIGN_OR_RETURN(bool dir, IsDir(path));
+    if (dir) return FileInfo{FileType::kDirectory, 0, 0};
+    return Status::NotFound("'" + path + "' does not exist in " + Describe());
+  }
+
+  Result<bool> Exists(const std::string& path) override {
+    Result<FileInfo> info = Stat(path);
+    if (info.ok()) return true;
+    if (info.status().code() == StatusCode::kNotFound) return false;
+    return info.status();
+  }
+
+  Result<std::vector<std::string>> List(const std::string& dir) override {
+    NEBULITE_RETURN_IF_ERROR(ValidateRelativePath(dir, "directory", true));
+    const std::string prefix = DirPrefix(dir);
+    NEBULITE_ASSIGN_OR_RETURN(ObjectListing listing, client_->List(prefix, false));
+    std::set<std::string> names;
+    auto add = [&](const std::string& key) {
+      if (key.size() <= prefix.size() || key.compare(0, prefix.size(), prefix) != 0) return;
+      std::string name = key.substr(prefix.size());
+      // Keys no Storage path can name (empty components, "..") are not ours: skipped.
+      if (ValidatePathComponent(name, "name").ok()) names.insert(std::move(name));
+    };
+    for (const auto& [key, info] : listing.objects) add(key);
+    for (const std::string& p : listing.prefixes) add(p);
+    return std::vector<std::string>(names.begin(), names.end());
+  }
+
+  Status CreateDirs(const std::string& dir) override {
+    NEBULITE_RETURN_IF_ERROR(ValidateRelativePath(dir, "directory", true));
+    if (read_only_ && !dir.empty()) return ReadOnlyError(dir);
+    return Status::OK();  // a directory exists once a file is below it
+  }
+
+  Status Rename(const std::string& from, const std::string& to) override {
+    NEBULITE_RETURN_IF_ERROR(CheckWrite(from));
+    NEBULITE_RETURN_IF_ERROR(CheckWrite(to));
+    Result<ObjectInfo> info = client_->Head(from);
+    if (info.ok()) {
+      NEBULITE_RETURN_IF_ERROR(client_->Copy(from, to));
+      return client_->Delete(from);
+    }
+    if (info.status().code() != StatusCode::kNotFound) return info.status();
+    // A directory: every object below it, copied first, then deleted.
+    NEBULITE_ASSIGN_OR_RETURN(ObjectListing listing, client_->List(from + "/", true));
+    if (listing.objects.empty()) {
+      return Status::NotFound("cannot rename '" + from + "': it does not exist in " + Describe());
+    }
+    for (const auto& [key, meta] : listing.objects) {
+      NEBULITE_RETURN_IF_ERROR(client_->Copy(key, to + key.substr(from.size())));
+    }
+    for (const auto& [key, meta] : listing.objects) NEBULITE_RETURN_IF_ERROR(client_->Delete(key));
+    return Status::OK();
+  }
+
+  Status SyncDir(const std::string& dir) override {
+    return ValidateRelativePath(dir, "directory", true);  // every put is durable
+  }
+
+  Status Delete(const std::string& path) override {
+    NEBULITE_RETURN_IF_ERROR(CheckWrite(path));
+    return client_->Delete(path);
+  }
+
+  Status DeleteRecursively(const std::string& dir) override {
+    NEBULITE_RETURN_IF_ERROR(CheckWrite(dir));
+    NEBULITE_ASSIGN_OR_RETURN(ObjectListing listing, client_->List(dir + "/", true));
+    for (const auto& [key, meta] : listing.objects) NEBULITE_RETURN_IF_ERROR(client_->Delete(key));
+    return Status::OK();
+  }
+
+  Result<bool> RemoveDirIfEmpty(const std::string& dir) override {
+    NEBULITE_RETURN_IF_ERROR(CheckWrite(dir));
+    NEBULITE_ASSIGN_OR_RETURN(ObjectListing listing, client_->List(dir + "/", true));
+    return listing.objects.empty();  // an empty directory does not exist
+  }
+
+  Result<std::unique_ptr<StoreLock>> TryLock(const std::string& path, bool exclusive) override {
+    (void)exclusive;
+    NEBULITE_RETURN_IF_ERROR(ValidateRelativePath(path, "lock path", false));
+    return Status::FailedPrecondition(Describe() +
+                                      " is an object store: it has no locks shared between "
+                                      "processes");
+  }
+
+ private:
+  Status ReadOnlyError(const std::string& path) const {
+    return Status::PermissionDenied(Describe() + " is open for reading only: cannot change '" +
+                                    path + "'");
+  }
+
+  Status CheckWrite(const std::string& path) const {
+    NEBULITE_RETURN_IF_ERROR(ValidateRelativePath(path, "path", false));
+    return read_only_ ? ReadOnlyError(path) : Status::OK();
+  }
+
+  Result<bool> IsDir(const std::string& path) {
+    NEBULITE_ASSIGN_OR_RETURN(ObjectListing listing, client_->List(path + "/", false));
+    return !listing.objects.empty() || !listing.prefixes.empty();
+  }
+
+  // The object at `path`, which must be a file: NotFound if nothing is there,
+  // InvalidArgument if it is a directory.
+  Result<ObjectInfo> HeadFile(const std::string& path) {
+    NEBULITE_RETURN_IF_ERROR(ValidateRelativePath(path, "path", false));
+    Result<ObjectInfo> info = client_->Head(path);
+    if (info.ok() || info.status().code() != StatusCode::kNotFound) return info;
+    NEBULITE_ASSIGN_OR_RETURN(bool dir, IsDir(path));
+    if (dir) return Status::InvalidArgument("'" + path + "' is a directory, not a file");
+    return info.status();
+  }
+
+  std::shared_ptr<ObjectClient> client_;
+  const bool read_only_;
+  std::mutex append_mu_;  // serialises this process's appends
+};
+
+}  // namespace
+
+std::unique_ptr<Storage> OpenObjectStorage(std::shared_ptr<ObjectClient> client, bool read_only) {
+  return std::unique_ptr<Storage>(new ObjectStorage(std::move(client), read_only));
+}
+
+}  // namespace nebulite

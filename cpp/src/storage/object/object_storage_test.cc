@@ -1,0 +1,181 @@
+// The object-store driver beyond the conformance suite: the engine's whole protocol on
+// an object store (data files written whole, no temporary objects, retention, two ranks,
+// streaming), and the rules for runs and leases on a store without locks.
+#include <gtest/gtest.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <algorithm>
+
+#include <string>
+#include <vector>
+
+#include "base/test_util.h"
+#include "nebulite/commit.h"
+#include "nebulite/engine.h"
+#include "nebulite/lease.h"
+#include "nebulite/object_store.h"
+#include "nebulite/runs.h"
+#include "persist/engine_test_util.h"
+
+namespace nebulite {
+namespace {
+
+using engine_test::CheckEveryCommittedVersion;
+using engine_test::Committed;
+using engine_test::ExpectStored;
+using engine_test::MakeObject;
+
+// Engine options writing to `client` through an object storage.
+EngineOptions ObjectOptions(std::shared_ptr<ObjectClient> client, uint64_t memory = 32 << 20) {
+  EngineOptions o = engine_test::Options("", memory);
+  o.storage_override = std::shared_ptr<Storage>(OpenObjectStorage(std::move(client)));
+  return o;
+}
+
+// Every key in the store.
+std::vector<std::string> Keys(ObjectClient* client) {
+  std::vector<std::string> out;
+  for (const auto& [key, info] : Val(client->List("", true)).objects) out.push_back(key);
+  return out;
+}
+
+TEST(ObjectStorageTest, TheEngineCommitsAndReadsBackWithNoTemporaryObject) {
+  auto client = NewMemoryObjectClient();
+  auto e = Engine::Open(ObjectOptions(client));
+  ASSERT_TRUE(e.ok()) << e.status().ToString();
+  Engine& engine = **e;
+  auto obj = MakeObject({300, 5 << 20, 1, 0, 123457}, 1);
+  ASSERT_TRUE(engine.Stage("step1", "v1", "model", obj.records).ok());
+  ASSERT_TRUE(engine.Commit("step1", "v1", 1, /*persist=*/true).ok());
+  ASSERT_TRUE(engine.Flush(60).ok());
+  EXPECT_EQ(Committed(engine.storage()), (std::vector<std::string>{"step1/v1"}));
+  ExpectStored(engine.storage(), DataFilePath("step1", "v1", 0, "model"), obj);
+  EXPECT_TRUE(CheckEveryCommittedVersion(engine.storage()).ok());
+  // The data file went straight to its name: no ".partial" object was ever needed.
+  for (const std::string& key : Keys(client.get())) {
+    EXPECT_EQ(key.find(".partial"), std::string::npos) << key;
+  }
+  const std::vector<std::string> keys = Keys(client.get());
+  EXPECT_NE(std::find(keys.begin(), keys.end(), "step1/v1/COMMITTED"), keys.end());
+  EXPECT_NE(std::find(keys.begin(), keys.end(), "step1/v1/rank0.manifest"), keys.end());
+}
+
+TEST(ObjectStorageTest, StateLargerThanTheBudgetIsUploadedFromItsSource) {
+  auto client = NewMemoryObjectClient();
+  auto e = Engine::Open(ObjectOptions(client, 4 << 20));
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  auto obj = MakeObject({1000, 9 << 20, 3 << 20, 12345}, 5);
+  auto info = engine.Stage("big", "v1", "model", obj.records);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_TRUE(info->streamed);
+  ASSERT_TRUE(engine.Commit("big", "v1", 1, true).ok());
+  ASSERT_TRUE(engine.Flush(60).ok());
+  ExpectStored(engine.storage(), DataFilePath("big", "v1", 0, "model"), obj);
+  EXPECT_TRUE(CheckEveryCommittedVersion(engine.storage()).ok());
+}
+
+TEST(ObjectStorageTest, RetentionDeletesOldVersionsWhole) {
+  auto client = NewMemoryObjectClient();
+  auto opts = ObjectOptions(client);
+  opts.retention = 2;
+  auto e = Engine::Open(opts);
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  const std::vector<std::string> tags = {"z", "y", "x", "w"};
+  for (size_t i = 0; i < tags.size(); ++i) {
+    auto obj = MakeObject({64, 70000}, static_cast<uint8_t>(i));
+    ASSERT_TRUE(engine.Stage(tags[i], "v", "n", obj.records).ok());
+    ASSERT_TRUE(engine.Commit(tags[i], "v", i + 1, true).ok());
+    ASSERT_TRUE(engine.Flush(60).ok());
+  }
+  EXPECT_EQ(Committed(engine.storage()), (std::vector<std::string>{"x/v", "w/v"}));
+  for (const std::string& key : Keys(client.get())) {
+    EXPECT_TRUE(key.rfind("z/", 0) != 0 && key.rfind("y/", 0) != 0) << key << " was kept";
+  }
+}
+
+TEST(ObjectStorageTest, TwoRanksCommitOnlyWhenBothPersisted) {
+  auto client = NewMemoryObjectClient();
+  auto o0 = ObjectOptions(client);
+  o0.world_size = 2;
+  auto o1 = o0;
+  o1.rank = 1;
+  auto e0 = Engine::Open(o0);
+  auto e1 = Engine::Open(o1);
+  ASSERT_TRUE(e0.ok() && e1.ok());
+  auto a = MakeObject({100, 4096}, 1), b = MakeObject({200, 5000}, 2);
+  ASSERT_TRUE((*e0)->Stage("s", "v", "model", a.records).ok());
+  ASSERT_TRUE((*e0)->Commit("s", "v", 1, true).ok());
+  usleep(100 * 1000);
+  EXPECT_FALSE(Val((*e0)->storage()->Exists(CommitMarkerPath("s", "v"))));
+  ASSERT_TRUE((*e1)->Stage("s", "v", "optim", b.records).ok());
+  ASSERT_TRUE((*e1)->Commit("s", "v", 1, true).ok());
+  ASSERT_TRUE((*e0)->Flush(60).ok());
+  ASSERT_TRUE((*e1)->Flush(60).ok());
+  EXPECT_EQ(Committed((*e0)->storage()), (std::vector<std::string>{"s/v"}));
+  ExpectStored((*e0)->storage(), DataFilePath("s", "v", 1, "optim"), b);
+}
+
+TEST(ObjectStorageTest, DeadRunsVersionsGoAfterTheGraceAlone) {
+  auto storage = OpenObjectStorage(NewMemoryObjectClient());
+  const std::string version = VersionName("deadrun", 1);
+  ASSERT_TRUE(storage->WriteFileAtomic(DataFilePath("t", version, 0, "model"), "x").ok());
+  // A run cannot be held or told alive on a store without locks...
+  auto held = HoldRun(storage.get(), "liverun");
+  ASSERT_TRUE(held.ok());
+  EXPECT_NE(*held, nullptr);
+  EXPECT_EQ(RunIsAlive(storage.get(), "deadrun").status().code(), StatusCode::kFailedPrecondition);
+  // ... so a version is kept while it is fresh, and removed once it is older than the grace.
+  const int64_t written = Val(storage->Stat(DataFilePath("t", version, 0, "model"))).mtime_ns;
+  auto fresh = Val(RemoveDeadRunsVersions(storage.get(), "liverun", 3600, written + 1, false));
+  EXPECT_TRUE(fresh.removed.empty());
+  EXPECT_TRUE(fresh.warnings.empty());
+  auto old = Val(RemoveDeadRunsVersions(storage.get(), "liverun", 3600,
+                                        written + 3601ll * 1000000000, false));
+  EXPECT_EQ(old.removed, (std::vector<std::string>{VersionDir("t", version)}));
+  EXPECT_FALSE(Val(storage->Exists(VersionDir("t", version))));
+}
+
+TEST(ObjectStorageTest, ALeaseOfThisHostWhoseProcessIsGoneIsNotLive) {
+  auto storage = OpenObjectStorage(NewMemoryObjectClient());
+  // A child that exits at once: its pid names no process afterwards.
+  pid_t child = fork();
+  if (child == 0) _exit(0);
+  ASSERT_GT(child, 0);
+  int status = 0;
+  ASSERT_EQ(waitpid(child, &status, 0), child);
+  const int64_t now = 1'000'000'000'000;
+  Lease dead{"deadrun", "thishost", static_cast<uint32_t>(child), now, 600};
+  ASSERT_TRUE(storage->WriteFileAtomic(kLeasePath, EncodeLease(dead)).ok());
+  auto state = Val(ReadLease(storage.get(), "thishost", now + 1));
+  EXPECT_TRUE(state.present);
+  EXPECT_FALSE(state.live);
+  // Another host's lease: its renewal time decides.
+  Lease other{"otherrun", "otherhost", static_cast<uint32_t>(child), now, 600};
+  ASSERT_TRUE(storage->WriteFileAtomic(kLeasePath, EncodeLease(other)).ok());
+  EXPECT_TRUE(Val(ReadLease(storage.get(), "thishost", now + 1)).live);
+  EXPECT_FALSE(Val(ReadLease(storage.get(), "thishost", now + 601ll * 1000000000)).live);
+  // A live process of this host holds it.
+  Lease mine{"liverun", "thishost", static_cast<uint32_t>(getpid()), now, 600};
+  ASSERT_TRUE(storage->WriteFileAtomic(kLeasePath, EncodeLease(mine)).ok());
+  EXPECT_TRUE(Val(ReadLease(storage.get(), "thishost", now + 1)).live);
+}
+
+TEST(ObjectStorageTest, ReadOnlyRefusesEveryChange) {
+  auto client = NewMemoryObjectClient();
+  auto rw = OpenObjectStorage(client);
+  ASSERT_TRUE(rw->WriteFileAtomic("a/f", "x").ok());
+  auto ro = OpenObjectStorage(client, /*read_only=*/true);
+  EXPECT_TRUE(ro->read_only());
+  EXPECT_EQ(Val(ro->ReadFile("a/f", 10)), "x");
+  EXPECT_EQ(ro->WriteFileAtomic("a/g", "y").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(ro->WriteWholeFile("a/g", {}).code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(ro->Delete("a/f").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(ro->DeleteRecursively("a").code(), StatusCode::kPermissionDenied);
+  EXPECT_EQ(Val(ro->ReadFile("a/f", 10)), "x");
+}
+
+}  // namespace
+}  // namespace nebulite
