@@ -15,6 +15,7 @@
 #include "nebulite/copy_engine.h"
 #include "nebulite/engine.h"
 #include "status_binding.h"
+#include "store_open.h"
 
 namespace nb = nanobind;
 
@@ -178,6 +179,9 @@ void RegisterEngine(nb::module_& m) {
             o.reserve_timeout_seconds = WaitSeconds(reserve_timeout, "reserve_timeout");
             o.write_history = write_history;
             o.arena = std::move(arena);
+            if (IsStoreUrl(persist_root)) {
+              o.storage_override = ValueOrThrow(OpenStoreAt(persist_root, PosixOptions{}));
+            }
             Result<std::unique_ptr<Engine>> e = Status::Internal("unset");
             {
               nb::gil_scoped_release release;

@@ -24,6 +24,7 @@
 #include "nebulite/storage.h"
 #include "nebulite/stored_archive.h"
 #include "status_binding.h"
+#include "store_open.h"
 
 namespace nb = nanobind;
 
@@ -37,26 +38,27 @@ std::map<std::string, uint32_t>& FileModes() {
 }
 
 // One open store per root, mode and file mode, for the life of the process. Call with the
-// GIL held.
+// GIL held. The store is opened outside the lock: opening an object store calls Python,
+// which may let another thread run.
 Storage* StoreFor(const std::string& root, bool writable = false) {
   static std::mutex mu;
   using Key = std::tuple<std::string, bool, uint32_t>;
-  static auto* stores = new std::map<Key, std::unique_ptr<Storage>>();
-  std::lock_guard<std::mutex> lock(mu);
+  static auto* stores = new std::map<Key, std::shared_ptr<Storage>>();
   auto mode = FileModes().find(root);
   const uint32_t file_mode = writable && mode != FileModes().end() ? mode->second : 0;
   Key key{root, writable, file_mode};
-  auto it = stores->find(key);
-  if (it != stores->end()) return it->second.get();
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = stores->find(key);
+    if (it != stores->end()) return it->second.get();
+  }
   PosixOptions options;
   options.direct_io = false;
   options.read_only = !writable;
   options.file_mode = file_mode;
-  auto s = OpenPosixStorage(root, options);
-  ThrowIfError(s.status());
-  Storage* p = s->get();
-  (*stores)[key] = std::move(s).value();
-  return p;
+  std::shared_ptr<Storage> s = ValueOrThrow(OpenStoreAt(root, options));
+  std::lock_guard<std::mutex> lock(mu);
+  return stores->emplace(key, std::move(s)).first->second.get();
 }
 
 // A run's lock, held until released (or the object is collected).

@@ -103,8 +103,41 @@ def parse_file_mode(name: str, value: Any) -> int:
 NO_LIMIT = 1e12
 
 
+#: URL schemes of the object stores nebulite persists to (nebulite.stores has the clients).
+OBJECT_STORE_SCHEMES = ("az", "abfs", "abfss", "s3", "gs")
+
+
+def is_store_url(path: str) -> bool:
+    """True for an object store's URL (``s3://bucket/prefix``): any ``scheme://`` but file://."""
+    scheme, sep, _ = path.partition("://")
+    return bool(sep) and bool(scheme) and scheme != "file"
+
+
+def store_exists(root: str) -> bool:
+    """Whether there may be a store at `root`: a directory, or any object store's URL (the
+    store says what it holds)."""
+    return is_store_url(root) or os.path.isdir(root)
+
+
+def _parse_url(name: str, url: str) -> str:
+    scheme, _, rest = url.partition("://")
+    if scheme not in OBJECT_STORE_SCHEMES:
+        raise InvalidArgumentError(
+            f"{name} {url!r}: nebulite does not know the scheme {scheme!r}; the stores it "
+            f"persists to are local or mounted paths (or file://...) and "
+            f"{', '.join(s + '://' for s in OBJECT_STORE_SCHEMES)} URLs")
+    rest = rest.strip("/")
+    if not rest or rest.startswith("@") or "//" in rest or any(
+            part in (".", "..") for part in rest.split("/")):
+        raise InvalidArgumentError(
+            f"{name} {url!r} is not a valid {scheme}:// URL: it needs a bucket or container, "
+            f"as in {scheme}://{'container@account.dfs.core.windows.net' if scheme.startswith('abfs') else 'bucket'}/prefix")
+    return f"{scheme}://{rest}"
+
+
 def parse_path(name: str, value: Any) -> str:
-    """A local or mounted path: str, bytes or os.PathLike; absolute on return."""
+    """A local or mounted path (str, bytes or os.PathLike; absolute on return), or an object
+    store's URL (returned without trailing '/')."""
     if isinstance(value, (tuple, list)) and len(value) == 1 and isinstance(value[0], (str, os.PathLike)):
         # Azure's documented example passes ("/tmp/test",): a trailing comma makes a tuple.
         value = value[0]
@@ -122,10 +155,8 @@ def parse_path(name: str, value: Any) -> str:
     except UnicodeEncodeError:
         raise InvalidArgumentError(
             f"{name} {path!r} is not valid UTF-8 (nebulite records paths as UTF-8)") from None
-    if "://" in path and not path.startswith("file://"):
-        raise InvalidArgumentError(
-            f"{name} {path!r}: object stores are not supported yet; use a local or "
-            "mounted path (or file://)")
+    if is_store_url(path):
+        return _parse_url(name, path)
     if path.startswith("file://"):
         path = path[len("file://"):]
     return os.path.abspath(path)

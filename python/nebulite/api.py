@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 from . import _core, _dist, _staging, _waiting
 from ._save_dir import Placeholders
-from ._config import Config, parse_path, parse_seconds
+from ._config import Config, is_store_url, parse_path, parse_seconds, store_exists
 from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
 from .errors import (
     AgentLostError,
@@ -947,7 +947,7 @@ def _candidates(persist_path: str | os.PathLike[str] | None) -> list[dict[str, A
             v = dict(v, tier="memory", root=s.root, world_size=s.world_size, in_store=False)
             out.append(v)
             memory_keys[(v["tag"], v["version"])] = v
-    if root is not None and os.path.isdir(root):
+    if root is not None and store_exists(root):
         for e in _store_entries(root):
             held = memory_keys.get((e["tag"], e["version"]))
             if held is not None:
@@ -1116,7 +1116,7 @@ def get_latest_checkpoint_path(name: str, persist_path: str | os.PathLike[str] |
         s.engine.flush(s.config.commit_timeout)
         s.raise_background_errors()
     with _lock:
-        if root is None or not os.path.isdir(root):
+        if root is None or not store_exists(root):
             raise NotFoundError(f"no persistent storage path to look for {name!r} in")
         for e in sorted(_store_entries(root), key=lambda e: e["seq"], reverse=True):
             if not _verify(e["root"], e):

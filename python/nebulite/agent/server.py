@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from .. import _core, errors
+from .._config import parse_path
 from . import protocol
 
 log = logging.getLogger("nebulite.agent")
@@ -630,7 +631,7 @@ def main(argv: list[str] | None = None) -> int:
     if a.detach and os.fork() != 0:
         os._exit(0)  # before any thread is started: the child goes on alone
     if a.root:
-        a.root = os.path.abspath(a.root[len("file://"):] if a.root.startswith("file://") else a.root)
+        a.root = parse_path("--root", a.root)
     def make() -> Agent:
         return Agent(a.socket, a.root, a.memory, a.retention, a.commit_timeout, a.io_threads,
                      a.idle_exit, a.prefault, file_mode=a.file_mode)

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Optional
 
 from .. import _core, api
-from .._config import Config, parse_path
+from .._config import Config, is_store_url, parse_path, store_exists
 from ..errors import InvalidArgumentError, NotFoundError
 
 log = logging.getLogger("nebulite")
@@ -116,7 +116,14 @@ class _Version:
         return os.path.join(self.root, _core.data_file_path(self.tag, self.version, 0, CHECKPOINT_NAME))
 
     def in_store(self) -> bool:
-        return os.path.isfile(os.path.join(self.directory, "COMMITTED"))
+        return store_exists(self.root) and bool(
+            _core.path_exists(self.root, _core.commit_marker_path(self.tag, self.version)))
+
+    @property
+    def linkable(self) -> bool:
+        """Whether a local path can link to its data file (not in an object store: there a
+        path is nebulite's name for the version, loaded through nebulite)."""
+        return not is_store_url(self.root)
 
 
 @dataclass
@@ -193,9 +200,10 @@ class NebulaCheckpointIOMixin:
 
         `storage_options` may hold ``is_best`` (persist this checkpoint at once, whatever
         ``persistent_time_interval`` says) and ``persist_path`` (the persistent storage path
-        to save to, a local or mounted directory; nebulite is initialised, or re-initialised,
-        with it). A URL there (``s3://...``, ``memory://...``) is an ``InvalidArgumentError``
-        until the object-store drivers exist.
+        to save to: a local or mounted directory, or an object store's URL such as
+        ``s3://bucket/run``; nebulite is initialised, or re-initialised, with it). With an
+        object store, `path` is not made a link: it names the checkpoint to this IO, which
+        loads it from the store.
         """
         if threading.current_thread() is not threading.main_thread():
             raise InvalidArgumentError(WRAPPED_REFUSAL)
@@ -418,10 +426,10 @@ class NebulaCheckpointIOMixin:
                     self._doomed.append(state.current)
                 self._doomed.extend(state.pending[:i])
                 state.current, state.pending = newest, state.pending[i + 1:]
-                if not os.path.isdir(key):
+                if newest.linkable and not os.path.isdir(key):
                     _link(key, newest.data_file)
             elif not os.path.exists(key):
-                coming = [v for v in state.pending if (v.tag, v.version) in in_flight]
+                coming = [v for v in state.pending if (v.tag, v.version) in in_flight and v.linkable]
                 if coming and os.path.realpath(key) != os.path.realpath(coming[-1].data_file):
                     _link(key, coming[-1].data_file)  # valid once persisted, even after a crash
         self._collect(in_flight)
@@ -436,7 +444,7 @@ class NebulaCheckpointIOMixin:
             if v in named:
                 continue
             if v.root not in catalogs:
-                entries, _ = _core.read_catalog(v.root) if os.path.isdir(v.root) else ([], [])
+                entries, _ = _core.read_catalog(v.root) if store_exists(v.root) else ([], [])
                 catalogs[v.root] = {(e["tag"], e["version"]): int(e["seq"]) for e in entries}
             catalog = catalogs[v.root]
             seq = catalog.get((v.tag, v.version))
