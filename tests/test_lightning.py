@@ -409,11 +409,11 @@ def test_manual_save_with_storage_options_and_load_from_checkpoint(tmp_path, sto
         trainer.save_checkpoint("x.ckpt", storage_options={"compress": True})
 
 
-@pytest.mark.parametrize("url", ["memory://x", "s3://b/p"])
+@pytest.mark.parametrize("url", ["memory://x", "hdfs://namenode/p"])
 @pytest.mark.parametrize("how", ["persist_path", "config_params"])
 def test_a_url_persistent_path_is_refused(tmp_path, store, url, how, monkeypatch):
-    """Until the object-store drivers exist, a URL as the persistent path is a clear error,
-    never a local directory named after its scheme."""
+    """A URL of a store nebulite has no driver for, as the persistent path, is a clear error,
+    never a local directory named after its scheme (object stores: test_object_stores.py)."""
     monkeypatch.chdir(tmp_path)
     if how == "persist_path":
         nebulite.init(persistent_storage_path=store)
@@ -422,13 +422,13 @@ def test_a_url_persistent_path_is_refused(tmp_path, store, url, how, monkeypatch
         run = nebulite.session_info()["run_id"]
         trainer.save_checkpoint(str(tmp_path / "same.ckpt"), storage_options={"persist_path": f"file://{store}"})
         assert nebulite.session_info()["run_id"] == run  # the same path: not re-initialised
-        with pytest.raises(nebulite.InvalidArgumentError, match="persist_path.*not supported"):
+        with pytest.raises(nebulite.InvalidArgumentError, match="persist_path.*does not know the scheme"):
             trainer.save_checkpoint(str(tmp_path / "example.ckpt"), storage_options={"persist_path": url})
         assert nebulite.session_info()["persistent_storage_path"] == store  # the session stands
     else:
         callback = NebulaCallback(dirpath=str(tmp_path / "ckpts"), every_n_train_steps=1,
                                   config_params={"persistent_storage_path": url})
-        with pytest.raises(nebulite.InvalidArgumentError, match="persistent_storage_path.*not supported"):
+        with pytest.raises(nebulite.InvalidArgumentError, match="persistent_storage_path.*does not know the scheme"):
             _trainer(tmp_path, 2, [callback], [NebulaCheckpointIO()]).fit(TinyModule(), loader())
     scheme = url.split(":")[0]
     assert [p for p in tmp_path.rglob(f"{scheme}:*")] == []

@@ -5,7 +5,10 @@ Lightning names every checkpoint by a path. Here the path's base name is the neb
 the checkpoint dict is the object ``checkpoint`` of that tag, and the path itself becomes a
 symbolic link to the committed data file, a ``torch.save`` archive: Lightning's own
 filesystem checks (``ckpt_path="last"``), ``torch.load`` and ``load_from_checkpoint`` all
-work on it.
+work on it. With an object store as the persistent path, where no link can lead, the path
+is a small JSON pointer file naming the store, tag and version instead: Lightning's checks
+and this IO's loads work on it; ``torch.load`` does not (load through the trainer, or
+``nebulite.get_checkpoint``).
 
 The life of a path (Lightning saves and removes on global rank 0 only):
 
@@ -35,6 +38,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
 import re
@@ -121,8 +125,8 @@ class _Version:
 
     @property
     def linkable(self) -> bool:
-        """Whether a local path can link to its data file (not in an object store: there a
-        path is nebulite's name for the version, loaded through nebulite)."""
+        """Whether a local path can link to its data file (not in an object store: there the
+        path is a pointer file, see _write_pointer)."""
         return not is_store_url(self.root)
 
 
@@ -167,6 +171,52 @@ def _link(path: str, target: str) -> None:
     os.replace(tmp, path)
 
 
+#: The first key of a pointer file (see _write_pointer).
+POINTER_KEY = "nebulite_checkpoint"
+_POINTER_MAX_BYTES = 4096
+
+
+def _write_pointer(path: str, v: _Version) -> None:
+    """Makes `path` a pointer file naming version `v` of an object store, replacing what was
+    there atomically: a small JSON object ``{"nebulite_checkpoint": 1, "store": <URL>, "tag":
+    ..., "version": ...}``. It is what a link is on a disk: Lightning's own checks of the path
+    (``ckpt_path="last"``, ``os.path.exists``) see a file, and this IO loads what it names."""
+    directory = os.path.dirname(path)
+    os.makedirs(directory, exist_ok=True)
+    tmp = os.path.join(directory, f".{os.path.basename(path)}.nebulite-{os.getpid()}")
+    with open(tmp, "w") as f:
+        json.dump({POINTER_KEY: 1, "store": v.root, "tag": v.tag, "version": v.version}, f)
+        f.write("\n")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def _read_pointer(path: str) -> Optional[_Version]:
+    """The version the pointer file at `path` names; None for any other file."""
+    try:
+        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > _POINTER_MAX_BYTES:
+            return None
+        with open(path, "rb") as f:
+            data = json.loads(f.read())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or data.get(POINTER_KEY) != 1:
+        return None
+    try:
+        return _Version(str(data["store"]), str(data["tag"]), str(data["version"]))
+    except KeyError:
+        return None
+
+
+def _point(path: str, v: _Version) -> None:
+    """Makes `path` name `v`: a link to its data file, or a pointer file in an object store."""
+    if v.linkable:
+        _link(path, v.data_file)
+    else:
+        _write_pointer(path, v)
+
+
 class NebulaCheckpointIOMixin:
     """The behaviour of ``NebulaCheckpointIO``; see the module docstring."""
 
@@ -202,8 +252,8 @@ class NebulaCheckpointIOMixin:
         ``persistent_time_interval`` says) and ``persist_path`` (the persistent storage path
         to save to: a local or mounted directory, or an object store's URL such as
         ``s3://bucket/run``; nebulite is initialised, or re-initialised, with it). With an
-        object store, `path` is not made a link: it names the checkpoint to this IO, which
-        loads it from the store.
+        object store, `path` becomes a small pointer file naming the checkpoint in the store
+        instead of a link (this IO loads what it names).
         """
         if threading.current_thread() is not threading.main_thread():
             raise InvalidArgumentError(WRAPPED_REFUSAL)
@@ -379,7 +429,7 @@ class NebulaCheckpointIOMixin:
     def _linked_version(key: str) -> Optional[_Version]:
         """The version the (possibly dangling) link at `key` names, if it is nebulite's."""
         if not os.path.islink(key):
-            return None
+            return _read_pointer(key)
         return _version_of_file(os.path.realpath(key))
 
     def _find(self, key: str) -> Any:
@@ -426,12 +476,13 @@ class NebulaCheckpointIOMixin:
                     self._doomed.append(state.current)
                 self._doomed.extend(state.pending[:i])
                 state.current, state.pending = newest, state.pending[i + 1:]
-                if newest.linkable and not os.path.isdir(key):
-                    _link(key, newest.data_file)
+                if not os.path.isdir(key):
+                    _point(key, newest)
             elif not os.path.exists(key):
-                coming = [v for v in state.pending if (v.tag, v.version) in in_flight and v.linkable]
-                if coming and os.path.realpath(key) != os.path.realpath(coming[-1].data_file):
-                    _link(key, coming[-1].data_file)  # valid once persisted, even after a crash
+                coming = [v for v in state.pending if (v.tag, v.version) in in_flight]
+                if coming and (not coming[-1].linkable or
+                               os.path.realpath(key) != os.path.realpath(coming[-1].data_file)):
+                    _point(key, coming[-1])  # valid once persisted, even after a crash
         self._collect(in_flight)
 
     def _collect(self, in_flight: set[tuple[str, str]]) -> None:
