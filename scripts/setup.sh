@@ -35,6 +35,8 @@ if [ ! -f "$stamp" ]; then
   # DeepSpeed builds against the torch above; its CUDA ops are not built (they are
   # compiled just in time where a GPU needs them).
   DS_BUILD_OPS=0 "${PIP[@]}" --no-build-isolation deepspeed
+  # Object stores (az://, s3://, gs://) and the emulators their tests start.
+  "${PIP[@]}" obstore google-cloud-storage "moto[server]" gcp-storage-emulator azure-storage-blob boto3
   touch "$stamp"
 fi
 echo "setup: building nebulite"
