@@ -285,3 +285,43 @@ def test_lightning_saves_to_and_resumes_from_an_object_store(tmp_path, store_url
             TinyModule(), loader(), ckpt_path=ckpt_path)
         assert resumed.seen["start_step"] == 4, ckpt_path
         assert resumed.seen["start_weights"] == first.seen["end_weights"]  # bit for bit
+
+
+@pytest.mark.parametrize("scheme", ["abfs", "abfss"])
+def test_adls_gen2_urls_reach_the_account_s_blob_endpoint(azurite, monkeypatch, scheme):
+    """abfs[s]://<container>@<account>.dfs.core.windows.net/<prefix>: the container and
+    account from the URL, the keys from the connection string."""
+    for k, v in azurite.env.items():
+        monkeypatch.setenv(k, v)
+    prefix = azurite.new_url().split("/", 3)[3]
+    url = f"{scheme}://{azurite.container}@devstoreaccount1.dfs.core.windows.net/{prefix}"
+    nebulite.init(persistent_storage_path=url)
+    nebulite.Checkpoint("t").save("model", _state(6))
+    nebulite.flush_persistence()
+    nebulite.api._reset_for_tests()
+    _assert_state(nebulite.get_checkpoint(tag="t", persist_path=url).load("model"), 6)
+    # The same objects, by their az:// name.
+    assert _committed(f"az://{azurite.container}/{prefix}") == ["t"]
+
+
+def test_a_dead_run_s_abandoned_multipart_upload_is_aborted(moto_s3, monkeypatch):
+    """An upload cut short by a crash stays hidden in S3 (and billed) until it is aborted:
+    the next run's clean-up of dead runs aborts those older than the grace period."""
+    import boto3
+
+    for k, v in moto_s3.env.items():
+        monkeypatch.setenv(k, v)
+    url = moto_s3.new_url()
+    prefix = url.split("/", 3)[3]
+    s3 = boto3.client("s3")
+    started = s3.create_multipart_upload(Bucket=moto_s3.container,
+                                         Key=f"{prefix}/t/vdeadrun-000001/rank0/model")
+    s3.upload_part(Bucket=moto_s3.container, Key=f"{prefix}/t/vdeadrun-000001/rank0/model",
+                   UploadId=started["UploadId"], PartNumber=1, Body=b"x" * (5 << 20))
+    other = s3.create_multipart_upload(Bucket=moto_s3.container, Key="elsewhere/model")
+
+    # (moto dates every upload in 2010, so the grace cannot be seen to keep a recent one.)
+    nebulite.init(persistent_storage_path=url, dead_run_grace=60)
+    uploads = s3.list_multipart_uploads(Bucket=moto_s3.container).get("Uploads", [])
+    assert [u["UploadId"] for u in uploads] == [other["UploadId"]]  # only below the prefix
+    s3.abort_multipart_upload(Bucket=moto_s3.container, Key="elsewhere/model", UploadId=other["UploadId"])

@@ -11,6 +11,10 @@ from typing import Any
 import numpy as np
 
 from .errors import InvalidArgumentError, InvalidArgumentTypeError
+# The URL schemes of the object stores nebulite persists to, and is_store_url(path): a URL
+# other than file:// (nebulite.stores has the clients; importing it imports none of them).
+from .stores import SCHEMES as OBJECT_STORE_SCHEMES
+from .stores import is_url as is_store_url
 
 #: Versions kept when num_of_version_in_retention is not given (Nebula's default).
 DEFAULT_RETENTION = 2
@@ -103,16 +107,6 @@ def parse_file_mode(name: str, value: Any) -> int:
 NO_LIMIT = 1e12
 
 
-#: URL schemes of the object stores nebulite persists to (nebulite.stores has the clients).
-OBJECT_STORE_SCHEMES = ("az", "abfs", "abfss", "s3", "gs")
-
-
-def is_store_url(path: str) -> bool:
-    """True for an object store's URL (``s3://bucket/prefix``): any ``scheme://`` but file://."""
-    scheme, sep, _ = path.partition("://")
-    return bool(sep) and bool(scheme) and scheme != "file"
-
-
 def store_exists(root: str) -> bool:
     """Whether there may be a store at `root`: a directory, or any object store's URL (the
     store says what it holds)."""
@@ -121,6 +115,7 @@ def store_exists(root: str) -> bool:
 
 def _parse_url(name: str, url: str) -> str:
     scheme, _, rest = url.partition("://")
+    scheme = scheme.lower()
     if scheme not in OBJECT_STORE_SCHEMES:
         raise InvalidArgumentError(
             f"{name} {url!r}: nebulite does not know the scheme {scheme!r}; the stores it "

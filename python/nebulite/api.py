@@ -114,6 +114,14 @@ def _remove_dead_runs_versions(root: str, run_id: str, grace: float) -> None:
         log.info("nebulite: removed %s, left uncommitted by a run that died", path)
     for p in problems:
         log.warning("nebulite: %s", p)
+    if is_store_url(root):  # uploads of dead runs that the store keeps hidden
+        try:
+            from .stores import open_client
+
+            for key in open_client(root).abort_stale_uploads(grace):
+                log.info("nebulite: aborted the upload of %s, left by a run that died", key)
+        except NebuliteError as e:
+            log.warning("nebulite: stale uploads in %s are kept: %s", root, e)
 
 
 @dataclass

@@ -12,6 +12,7 @@ I/O). Keys are relative to the URL's prefix, '/'-separated, never starting with 
     client.list(prefix, recursive)               # ([(key, size, mtime_ns)], [dir_key])
     client.copy(src, dst)
     client.delete(key)                           # a missing key is not an error
+    client.abort_stale_uploads(older_than)       # keys of the uploads it aborted
 
 Contract of `put`: `data` are read-only memoryviews over memory that is valid only during
 the call; the client keeps no reference to them once it returns (or raises), and copies
@@ -80,6 +81,7 @@ class ObjectClient(Protocol):
     ) -> tuple[list[tuple[str, int, int]], list[str]]: ...
     def copy(self, src: str, dst: str) -> None: ...
     def delete(self, key: str) -> None: ...
+    def abort_stale_uploads(self, older_than: float) -> list[str]: ...
 
 
 @dataclass(frozen=True)

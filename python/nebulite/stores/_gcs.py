@@ -308,3 +308,9 @@ class GcsClient:
             pass
         except Exception as e:
             raise self._error(e, "delete", key) from e
+
+    def abort_stale_uploads(self, older_than: float) -> list[str]:
+        """Nothing to do: a parallel composite upload's parts are objects below the version
+        they belong to, removed with it (and deleted when the upload fails)."""
+        return []
+

@@ -137,6 +137,7 @@ class ObstoreClient:
     ) -> None:
         self.url = url.rstrip("/")
         self._tuning = tuning
+        self._scheme, self._bucket, self._prefix = scheme, container, prefix
         retry = {
             "max_retries": tuning.max_retries,
             "retry_timeout": timedelta(seconds=tuning.retry_seconds),
@@ -301,3 +302,32 @@ class ObstoreClient:
             pass
         except Exception as e:
             raise self._error(e, "delete", key) from e
+
+    def abort_stale_uploads(self, older_than: float) -> list[str]:
+        """Aborts the multipart uploads below this URL's prefix that started more than
+        `older_than` seconds ago (uploads cut short by a crash; a failed upload is aborted
+        when it fails) and returns their keys. S3 only, through boto3 when it is installed
+        (obstore cannot list uploads): Azure discards uncommitted blocks by itself."""
+        if self._scheme != "s3":
+            return []
+        try:
+            import boto3
+        except ImportError:
+            return []
+        prefix = f"{self._prefix}/" if self._prefix else ""
+        cutoff = datetime.now(timezone.utc) - timedelta(seconds=older_than)
+        aborted: list[str] = []
+        try:
+            s3 = boto3.client("s3")
+            pages = s3.get_paginator("list_multipart_uploads").paginate(
+                Bucket=self._bucket, Prefix=prefix)
+            for page in pages:
+                for u in page.get("Uploads", []):
+                    if u["Initiated"] < cutoff:
+                        s3.abort_multipart_upload(Bucket=self._bucket, Key=u["Key"],
+                                                  UploadId=u["UploadId"])
+                        aborted.append(u["Key"][len(prefix):])
+        except Exception as e:  # boto3's errors: the clean-up is best effort, and says why
+            raise ObjectStoreError(f"aborting stale uploads in {self.url}: {e}") from e
+        return aborted
+
