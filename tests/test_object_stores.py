@@ -202,17 +202,24 @@ def test_a_store_that_keeps_failing_ends_in_a_persist_error(moto_s3, monkeypatch
         _assert_state(nebulite.get_latest_checkpoint(persist_path=url).load("model"), 1)
 
 
-def test_the_command_line_reads_an_object_store(store_url):
+def test_the_command_line_reads_an_object_store(store_url, tmp_path):
     nebulite.init(persistent_storage_path=store_url)
     nebulite.Checkpoint("global_step7").save("model", _state(7))
     nebulite.flush_persistence()
+    nebulite.shutdown()
     env = dict(os.environ)
-    for args in (["ls", store_url], ["verify", store_url]):
+    out = {}
+    for args in (["ls", store_url], ["verify", store_url, "--all"], ["show", store_url, "global_step7"],
+                 ["history", store_url], ["gc", store_url, "--dry-run"],
+                 ["export", store_url, "global_step7", "--to", str(tmp_path / "pt")]):
         r = subprocess.run([sys.executable, "-m", "nebulite.cli", *args], env=env,
                            capture_output=True, text=True, timeout=HANG_TIMEOUT)
-        assert r.returncode == 0, r.stderr
-        if args[0] == "ls":
-            assert "global_step7" in r.stdout
+        assert r.returncode == 0, (args, r.stderr)
+        out[args[0]] = r.stdout
+    assert "global_step7" in out["ls"] and "global_step7" in out["show"]
+    assert "global_step7" in out["history"]
+    (exported,) = (tmp_path / "pt").iterdir()
+    _assert_state(torch.load(exported, weights_only=True), 7)
 
 
 # -- the frameworks, with an object store as the persistent path ------------------------
