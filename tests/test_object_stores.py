@@ -73,6 +73,8 @@ def test_save_commit_load_list_and_retention(store_url):
     assert torch.equal(latest.load("optimizer")["moments"], torch.ones(300_000) * 3)
     older = nebulite.get_checkpoint(tag="global_step2", persist_path=store_url)
     _assert_state(older.load("model"), 2)
+    path = nebulite.get_latest_checkpoint_path("model", persist_path=store_url)
+    assert path.startswith(store_url + "/global_step3/") and path.endswith("/rank0/model")
     # A new session goes on in commit order after what is stored.
     nebulite.init(persistent_storage_path=store_url, num_of_version_in_retention=2)
     nebulite.Checkpoint("a").save("model", _state(4))

@@ -1114,7 +1114,8 @@ def list_checkpoints(persist_path: str | os.PathLike[str] | None = None) -> list
 
 def get_latest_checkpoint_path(name: str, persist_path: str | os.PathLike[str] | None = None) -> str:
     """Path of object `name` in the newest *persisted* committed checkpoint holding it:
-    a real file that ``torch.load`` (and Lightning's ``load_from_checkpoint``) reads.
+    a real file that ``torch.load`` (and Lightning's ``load_from_checkpoint``) reads, or in
+    an object store the URL of its data file.
     Checkpoints of this process already on their way to that path are waited for first.
     Raises NotFoundError when there is none."""
     _validate(name, "name")
