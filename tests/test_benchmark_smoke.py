@@ -122,3 +122,47 @@ def test_profile_save_smoke(new_agents: Callable[[], list[psutil.Process]]) -> N
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "copy engine" in result.stdout and "(agent)" in result.stdout
     _assert_agents_stopped(new_agents)
+
+
+def _emulator_alive(pid: int) -> bool:
+    """Whether `pid` is still an emulator process (not one that took the number since)."""
+    try:
+        p = psutil.Process(pid)
+        cmd = " ".join(p.cmdline())
+        return p.status() != psutil.STATUS_ZOMBIE and any(
+            n in cmd for n in ("azurite", "moto_server", "gcp-storage-emulator"))
+    except psutil.Error:
+        return False
+
+
+def test_bench_object_stores_smoke(tmp_path: Path) -> None:
+    """Every store's emulator started, every candidate ran and got the saved bytes back, the
+    table and its targets were printed, and every emulator is gone with its files."""
+    out = tmp_path / "results"
+    result = _run([str(BENCH / "bench_object_stores.py"), "--smoke", "--stores", "az,s3,gs",
+                   "--out", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for scheme in ("az", "s3", "gs"):
+        assert f"{scheme}:// through" in result.stdout
+    assert result.stdout.count("upload / persistence") == 3 and result.stdout.count("download / load") == 3
+    assert result.stdout.count("persistence >= 90% of direct") == 3
+    assert result.stdout.count("load >= 90% of direct") == 3
+    data = json.loads((out / "object-stores-latest.json").read_text())
+    assert [s["store"] for s in data["stores"]] == ["az", "s3", "gs"]
+    for store in data["stores"]:
+        s = store["summary"]
+        assert s["state_bytes"] == 8 << 20 and s["data_file_bytes"] > s["state_bytes"]
+        assert s["all_equal"]
+        assert len(store["runs"]) == 1 and len(s["targets"]) == 2
+        for kind in ("upload", "download"):
+            for name, figures in s[kind].items():
+                assert figures["seconds"] > 0 and figures["mib_s"] > 0, (store["store"], name)
+        # nebulite's requests were recorded: one upload of the data file, and its reads
+        assert s["upload"]["nebulite save -> committed"]["requests"]["data_put"]["count"] == 1
+        assert s["download"]["nebulite get_checkpoint + load"]["requests"]["data_get_large"]["count"] >= 1
+        # a checkpoint of one data file, its manifest, its commit marker
+        objects = store["runs"][0]["upload"]["nebulite save -> committed"]["objects"]
+        assert any(k.endswith("/rank0/model") for k in objects), objects
+        assert any(k.endswith("/COMMITTED") for k in objects), objects
+        assert store["emulator_pid"] and not _emulator_alive(store["emulator_pid"]), store["emulator"]
+        assert not os.path.exists(store["emulator_dir"])
