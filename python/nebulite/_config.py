@@ -107,6 +107,16 @@ def parse_file_mode(name: str, value: Any) -> int:
 NO_LIMIT = 1e12
 
 
+def read_threads(root: str) -> int:
+    """Threads reading one data file: 4 keep a disk busy; an object store answers each
+    request after a round trip, so as many as its clients have requests in flight."""
+    if not is_store_url(root):
+        return 4
+    from .stores import StoreTuning
+
+    return StoreTuning.from_env().concurrency
+
+
 def store_exists(root: str) -> bool:
     """Whether there may be a store at `root`: a directory, or any object store's URL (the
     store says what it holds)."""

@@ -24,7 +24,7 @@ from typing import Any, Iterable
 
 from . import _core, _dist, _staging, _waiting
 from ._save_dir import Placeholders
-from ._config import Config, is_store_url, parse_path, parse_seconds, store_exists
+from ._config import Config, is_store_url, parse_path, parse_seconds, read_threads, store_exists
 from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
 from .errors import (
     AgentLostError,
@@ -796,7 +796,7 @@ def _load_file(root: str, rel: str, buffers: dict[str, Any] | None, map_location
         source = ArchiveSource(
             {n: size for n, _, size, _ in records},
             read=lambda n: archive.read(n),
-            read_into=lambda n, addr: archive.read_into(n, addr, 4),
+            read_into=lambda n, addr: archive.read_into(n, addr, read_threads(root)),
             description=path,
             offsets={n: offset for n, offset, _, _ in records},
         )
@@ -844,7 +844,7 @@ def _read_verified(root: str, rel: str, name: str, size: int, crc: int) -> dict[
         pos = offset + rsize
     if pos < size:
         spans.append((pos, size - pos, 0))
-    got = _core.read_data_file(root, rel, name, size, crc, spans, 4)
+    got = _core.read_data_file(root, rel, name, size, crc, spans, read_threads(root))
     if any(got[i] != c for i, c in expected.items()):
         return None  # the file is intact, a record is not: the load reads it and rejects it
     return buffers

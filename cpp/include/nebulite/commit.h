@@ -116,8 +116,9 @@ Result<Catalog> ReadCatalog(Storage* storage);
 // Checks committed versions: every rank's manifest decodes and matches the marker, and
 // every file it names exists with its size. A file modified after the marker was written
 // (nebulite never modifies a committed file), or in the same tick of the filesystem's
-// clock, is read whole and its CRC checked; the result is remembered by (path, size,
-// mtime), so each such file is read once.
+// clock (on an object store, whose clock ticks in seconds: only after it), is read whole
+// and its CRC checked; the result is remembered by (path, size, mtime), so each such file
+// is read once.
 // Check() returns OK (intact), Corruption (damaged: missing, truncated, bit-flipped) or
 // another error (the store could not be read: the version's state is unknown).
 class VersionChecker {

@@ -81,7 +81,13 @@ Status VersionChecker::Check(const CatalogEntry& entry) {
       // Every file is complete before its manifest, and every manifest before the marker:
       // a file changed later was changed by someone else. Read it. Filesystems keep times
       // in coarse ticks, so a file of the marker's own tick is read too (once: see below).
-      if (info.mtime_ns < entry.marker_mtime_ns) continue;
+      // Object stores stamp an object when its upload completed, to the second: there a
+      // file of the marker's second is one written for it (reading it back would double
+      // every commit's traffic), and only a later one was changed.
+      if (info.mtime_ns < entry.marker_mtime_ns ||
+          (storage_->is_object_store() && info.mtime_ns == entry.marker_mtime_ns)) {
+        continue;
+      }
       const auto key = std::make_tuple(path, info.size, info.mtime_ns);
       {
         std::lock_guard<std::mutex> lock(mu_);

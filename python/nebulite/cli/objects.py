@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from .. import _core
+from .._config import read_threads
 from . import skeleton
 from .store import DataFile
 
@@ -25,7 +26,7 @@ def read_object(root: str, f: DataFile) -> Any:
     def read_storage(key: str, dtype: torch.dtype) -> Any:
         record = f"data/{key}"
         buf = torch.empty(sizes[record], dtype=torch.uint8)
-        archive.read_into(record, buf.data_ptr(), 4)
+        archive.read_into(record, buf.data_ptr(), read_threads(root))
         return buf.untyped_storage()
 
     return skeleton.load(archive.read("data.pkl"), read_storage)

@@ -10,6 +10,7 @@ import os
 from typing import Any
 
 from .. import _core
+from .._config import read_threads
 from ..errors import CorruptCheckpointError, NotFoundError
 from . import output, store
 from .command import subcommand
@@ -48,7 +49,7 @@ def check_file(root: str, f: store.DataFile) -> None:
         pos = offset + size
     if pos < f.size:
         spans.append((pos, f.size - pos, 0))
-    got = _core.read_data_file(root, f.path, f.name, f.size, f.crc32, spans, 4)
+    got = _core.read_data_file(root, f.path, f.name, f.size, f.crc32, spans, read_threads(root))
     for i, (name, crc) in expected.items():
         if got[i] != crc:
             raise CorruptCheckpointError(f"{f.path}: record {name!r} fails its CRC-32")

@@ -17,14 +17,38 @@ using internal::ValidateRelativePath;
 
 std::string DirPrefix(const std::string& dir) { return dir.empty() ? "" : dir + "/"; }
 
+// Reads of the version opened. Small reads (a file's index, its local headers, the
+// gaps between records) are served from 1 MiB blocks read whole, the last few kept: each
+// request to a store costs a round trip, whatever its size.
 class ObjectReadableFile final : public ReadableFile {
  public:
+  static constexpr uint64_t kBlockBytes = 1ull << 20;
+  static constexpr size_t kSmallRead = 64 << 10;
+  static constexpr size_t kBlocksKept = 4;
+
   ObjectReadableFile(std::shared_ptr<ObjectClient> client, std::string key, ObjectInfo info)
       : client_(std::move(client)), key_(std::move(key)), info_(std::move(info)) {}
   uint64_t size() const override { return info_.size; }
+
   Result<size_t> ReadAt(uint64_t offset, size_t n, void* dst) override {
     if (offset >= info_.size || n == 0) return size_t{0};
     n = static_cast<size_t>(std::min<uint64_t>(n, info_.size - offset));
+    if (n >= kSmallRead) return Get(offset, n, dst);
+    uint8_t* out = static_cast<uint8_t*>(dst);
+    for (size_t done = 0; done < n;) {  // at most two blocks
+      const uint64_t at = offset + done;
+      NEBULITE_ASSIGN_OR_RETURN(std::shared_ptr<const std::string> block, Block(at / kBlockBytes));
+      const uint64_t in_block = at % kBlockBytes;
+      if (in_block >= block->size()) return Status::IOError("'" + key_ + "' shrank while being read");
+      const size_t take = static_cast<size_t>(std::min<uint64_t>(n - done, block->size() - in_block));
+      std::memcpy(out + done, block->data() + in_block, take);
+      done += take;
+    }
+    return n;
+  }
+
+ private:
+  Result<size_t> Get(uint64_t offset, size_t n, void* dst) {
     Result<size_t> got = client_->Get(key_, offset, n, dst, info_.etag);
     if (!got.ok() && got.status().code() == StatusCode::kNotFound) {
       return Status::IOError("'" + key_ + "' was deleted after it was opened for reading");
@@ -32,10 +56,33 @@ class ObjectReadableFile final : public ReadableFile {
     return got;
   }
 
- private:
+  // Block `index` of the file, read on first use (under the lock: readers of one block
+  // wait for one request).
+  Result<std::shared_ptr<const std::string>> Block(uint64_t index) {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
+      if (it->first == index) {
+        auto hit = *it;
+        blocks_.erase(it);
+        blocks_.insert(blocks_.begin(), hit);  // most recent first
+        return hit.second;
+      }
+    }
+    const uint64_t start = index * kBlockBytes;
+    auto block = std::make_shared<std::string>(
+        static_cast<size_t>(std::min(kBlockBytes, info_.size - start)), '\0');
+    NEBULITE_ASSIGN_OR_RETURN(size_t got, Get(start, block->size(), block->data()));
+    block->resize(got);
+    blocks_.insert(blocks_.begin(), {index, block});
+    if (blocks_.size() > kBlocksKept) blocks_.pop_back();
+    return std::shared_ptr<const std::string>(block);
+  }
+
   std::shared_ptr<ObjectClient> client_;
-  std::string key_;
-  ObjectInfo info_;
+  const std::string key_;
+  const ObjectInfo info_;
+  std::mutex mu_;
+  std::vector<std::pair<uint64_t, std::shared_ptr<const std::string>>> blocks_;  // GUARDED_BY(mu_)
 };
 
 // Holds what is written in memory; Sync() puts it whole.

@@ -6,12 +6,15 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <map>
+#include <mutex>
 
 #include <string>
 #include <vector>
 
 #include "base/test_util.h"
 #include "nebulite/commit.h"
+#include "nebulite/crc32.h"
 #include "nebulite/engine.h"
 #include "nebulite/lease.h"
 #include "nebulite/object_store.h"
@@ -175,6 +178,118 @@ TEST(ObjectStorageTest, ReadOnlyRefusesEveryChange) {
   EXPECT_EQ(ro->Delete("a/f").code(), StatusCode::kPermissionDenied);
   EXPECT_EQ(ro->DeleteRecursively("a").code(), StatusCode::kPermissionDenied);
   EXPECT_EQ(Val(ro->ReadFile("a/f", 10)), "x");
+}
+
+}  // namespace
+}  // namespace nebulite
+
+namespace nebulite {
+namespace {
+
+// An object client whose clock ticks in whole seconds, set by the test (as S3's and
+// Azure's Last-Modified do), counting the gets of each key.
+class SecondsClock final : public ObjectClient {
+ public:
+  explicit SecondsClock(std::shared_ptr<ObjectClient> base) : base_(std::move(base)) {}
+  std::string Describe() const override { return base_->Describe(); }
+  Status Put(const std::string& key, const std::vector<ByteSpan>& data, bool if_absent) override {
+    NEBULITE_RETURN_IF_ERROR(base_->Put(key, data, if_absent));
+    std::lock_guard<std::mutex> lock(mu_);
+    stamps_[key] = now_s * 1000000000;
+    return Status::OK();
+  }
+  Result<size_t> Get(const std::string& key, uint64_t offset, size_t n, void* dst,
+                     const std::string& etag) override {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      ++gets_[key];
+    }
+    return base_->Get(key, offset, n, dst, etag);
+  }
+  Result<ObjectInfo> Head(const std::string& key) override {
+    NEBULITE_ASSIGN_OR_RETURN(ObjectInfo info, base_->Head(key));
+    std::lock_guard<std::mutex> lock(mu_);
+    info.mtime_ns = stamps_[key];
+    return info;
+  }
+  Result<ObjectListing> List(const std::string& prefix, bool recursive) override {
+    NEBULITE_ASSIGN_OR_RETURN(ObjectListing listing, base_->List(prefix, recursive));
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [key, info] : listing.objects) info.mtime_ns = stamps_[key];
+    return listing;
+  }
+  Status Copy(const std::string& from, const std::string& to) override {
+    return base_->Copy(from, to);
+  }
+  Status Delete(const std::string& key) override { return base_->Delete(key); }
+  int gets(const std::string& key) {
+    std::lock_guard<std::mutex> lock(mu_);
+    return gets_[key];
+  }
+
+  int64_t now_s = 1000;
+
+ private:
+  std::shared_ptr<ObjectClient> base_;
+  std::mutex mu_;
+  std::map<std::string, int64_t> stamps_;  // GUARDED_BY(mu_)
+  std::map<std::string, int> gets_;        // GUARDED_BY(mu_)
+};
+
+// Commits version (t, v) of one rank holding `data` as file "model".
+void CommitOne(Storage* s, const std::string& data) {
+  ASSERT_TRUE(s->WriteWholeFile(DataFilePath("t", "v", 0, "model"), {{data.data(), data.size()}})
+                  .ok());
+  Manifest m{"t", "v", 0, 1, {{"model", data.size(), Crc32(0, data.data(), data.size())}}};
+  ASSERT_TRUE(WriteManifest(s, m).ok());
+  CommitRecord c{"t", "v", 1, 0, 1, {}};
+  ASSERT_TRUE(WriteCommitMarker(s, c).ok());
+}
+
+TEST(ObjectStorageTest, RetentionsCheckReadsBackOnlyAFileChangedAfterTheMarkersSecond) {
+  auto clock = std::make_shared<SecondsClock>(NewMemoryObjectClient());
+  auto storage = OpenObjectStorage(clock);
+  const std::string data(3 << 20, 'x');
+  CommitOne(storage.get(), data);  // the file and its marker in one second
+  const std::string path = DataFilePath("t", "v", 0, "model");
+  auto catalog = Val(ReadCatalog(storage.get()));
+  ASSERT_EQ(catalog.entries.size(), 1u);
+  VersionChecker checker(storage.get());
+  EXPECT_TRUE(checker.Check(catalog.entries[0]).ok());
+  EXPECT_EQ(clock->gets(path), 0);  // not read back
+  // Replaced a second later, by someone else: read, and found damaged.
+  clock->now_s += 1;
+  std::string other = data;
+  other[12345] ^= 1;
+  ASSERT_TRUE(storage->WriteWholeFile(path, {{other.data(), other.size()}}).ok());
+  EXPECT_EQ(checker.Check(catalog.entries[0]).code(), StatusCode::kCorruption);
+  EXPECT_GT(clock->gets(path), 0);
+}
+
+TEST(ObjectStorageTest, SmallReadsOfAFileShareAFewRequests) {
+  auto clock = std::make_shared<SecondsClock>(NewMemoryObjectClient());
+  auto storage = OpenObjectStorage(clock);
+  const std::string data = std::string(5 << 20, 'a') + std::string(100, 'b');
+  ASSERT_TRUE(storage->WriteWholeFile("f", {{data.data(), data.size()}}).ok());
+  auto file = Val(storage->NewReadableFile("f"));
+  // A file's index and headers: many small reads at its two ends, and one across a block
+  // boundary.
+  char buf[4096];
+  const uint64_t end = data.size();
+  for (uint64_t off : std::vector<uint64_t>{0, 30, 4000, end - 4096, end - 22, end - 100,
+                                            (1ull << 20) - 10}) {
+    const size_t n = static_cast<size_t>(std::min<uint64_t>(sizeof(buf), data.size() - off));
+    ASSERT_EQ(Val(file->ReadAt(off, n, buf)), n);
+    EXPECT_EQ(std::string(buf, n), data.substr(off, n)) << off;
+  }
+  EXPECT_EQ(clock->gets("f"), 4);  // 1 MiB blocks: the first two and the last two
+  // A large read goes straight to the store, into the caller's buffer.
+  std::string big(1 << 20, '\0');
+  ASSERT_EQ(Val(file->ReadAt(1 << 20, big.size(), big.data())), big.size());
+  EXPECT_TRUE(big == data.substr(1 << 20, big.size()));
+  EXPECT_EQ(clock->gets("f"), 5);
+  // Past the end: nothing.
+  EXPECT_EQ(Val(file->ReadAt(data.size(), 10, buf)), 0u);
 }
 
 }  // namespace
