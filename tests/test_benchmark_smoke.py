@@ -166,3 +166,15 @@ def test_bench_object_stores_smoke(tmp_path: Path) -> None:
         assert any(k.endswith("/COMMITTED") for k in objects), objects
         assert store["emulator_pid"] and not _emulator_alive(store["emulator_pid"]), store["emulator"]
         assert not os.path.exists(store["emulator_dir"])
+
+
+def test_compare_store_clients_smoke() -> None:
+    """Each emulator, each client installed here measured (the others said to be missing),
+    obstore's failure on the GCS emulator (JSON API only) said, a table printed."""
+    result = _run([str(BENCH / "compare_store_clients.py"), "--mb", "2", "--reps", "1"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = [line for line in result.stdout.splitlines() if line.startswith(("Azurite", "moto", "gcp"))]
+    assert any(r.startswith("Azurite") and "obstore" in r and "MB" not in r and "failed" not in r for r in rows), rows
+    assert any(r.startswith("moto") and "obstore" in r and "failed" not in r for r in rows), rows
+    assert any(r.startswith("gcp") and "google-cloud-storage" in r and "failed" not in r for r in rows), rows
+    assert any(r.startswith("gcp") and "obstore" in r and "failed" in r for r in rows), rows
