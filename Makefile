@@ -9,7 +9,7 @@ NINJA := $(CURDIR)/.venv/bin/ninja
 SANITIZED := -G Ninja -DNEBULITE_BUILD_TESTS=ON -DCMAKE_BUILD_TYPE=Debug "-DCMAKE_CXX_FLAGS_DEBUG=-g -O1" \
   -DCMAKE_MAKE_PROGRAM=$(NINJA)
 
-.PHONY: setup demo test test-cpp-build test-cpp test-py test-asan test-tsan fuzz fuzz-build bench \
+.PHONY: setup demo test test-cpp-build test-cpp test-py test-asan test-tsan fuzz fuzz-build bench bench-stores \
   reliability format clean
 
 setup:
@@ -57,6 +57,10 @@ fuzz-build:
 
 bench: setup
 	$(PY) benchmarks/bench_suite.py $(BENCH_ARGS)
+
+# Persisting to and loading from each object store's emulator, against its client used directly.
+bench-stores: setup
+	$(PY) benchmarks/bench_object_stores.py $(BENCH_ARGS)
 
 # docs/reliability.md: the fault-injection sweep with 1, 2 and 3 ranks, then the kill campaign
 # (SIGKILLs trainers and node agents at random moments and checks the store after each kill).
