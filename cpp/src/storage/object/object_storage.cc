@@ -1,6 +1,8 @@
 // Storage over an ObjectClient; the rules are at the top of nebulite/object_store.h.
 #include <algorithm>
 #include <cstring>
+#include <functional>
+#include <tuple>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -17,38 +19,88 @@ using internal::ValidateRelativePath;
 
 std::string DirPrefix(const std::string& dir) { return dir.empty() ? "" : dir + "/"; }
 
-// Reads of the version opened. Small reads (a file's index, its local headers, the
-// gaps between records) are served from 1 MiB blocks read whole, the last few kept: each
-// request to a store costs a round trip, whatever its size.
-class ObjectReadableFile final : public ReadableFile {
+// The blocks small reads are served from, shared by every file of a store: a load opens
+// a file twice (its index, then its records), and each request to a store costs a round
+// trip whatever its size. Blocks are 1 MiB, counted from the end of the file (its index
+// is at the end: the last block holds it whole), keyed by the version read; the last few
+// are kept.
+class BlockCache {
  public:
   static constexpr uint64_t kBlockBytes = 1ull << 20;
-  static constexpr size_t kSmallRead = 64 << 10;
-  static constexpr size_t kBlocksKept = 4;
+  static constexpr size_t kBlocksKept = 8;
 
-  ObjectReadableFile(std::shared_ptr<ObjectClient> client, std::string key, ObjectInfo info)
-      : client_(std::move(client)), key_(std::move(key)), info_(std::move(info)) {}
+  using Fetch = std::function<Result<size_t>(uint64_t offset, size_t n, void* dst)>;
+
+  // Block `index` (0: the last) of the file `key` at `etag` of `size` bytes, fetched on
+  // first use (under the lock: readers of one block wait for one request).
+  Result<std::shared_ptr<const std::string>> Get(const std::string& key, const std::string& etag,
+                                                 uint64_t size, uint64_t index,
+                                                 const Fetch& fetch) {
+    std::lock_guard<std::mutex> lock(mu_);
+    const auto id = std::make_tuple(key, etag, index);
+    for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
+      if (it->first == id) {
+        auto hit = *it;
+        blocks_.erase(it);
+        blocks_.insert(blocks_.begin(), hit);  // most recent first
+        return hit.second;
+      }
+    }
+    const uint64_t end = size - index * kBlockBytes;
+    const uint64_t start = end > kBlockBytes ? end - kBlockBytes : 0;
+    auto block = std::make_shared<std::string>(static_cast<size_t>(end - start), '\0');
+    NEBULITE_ASSIGN_OR_RETURN(size_t got, fetch(start, block->size(), block->data()));
+    if (got != block->size()) return Status::IOError("'" + key + "' shrank while being read");
+    if (!etag.empty()) {  // without an etag, a block could outlive its version
+      blocks_.insert(blocks_.begin(), {id, block});
+      if (blocks_.size() > kBlocksKept) blocks_.pop_back();
+    }
+    return std::shared_ptr<const std::string>(block);
+  }
+
+ private:
+  std::mutex mu_;
+  std::vector<std::pair<std::tuple<std::string, std::string, uint64_t>,
+                        std::shared_ptr<const std::string>>>
+      blocks_;  // GUARDED_BY(mu_)
+};
+
+// Reads of the version opened; small ones through the store's BlockCache.
+class ObjectReadableFile final : public ReadableFile {
+ public:
+  static constexpr size_t kSmallRead = 64 << 10;
+
+  ObjectReadableFile(std::shared_ptr<ObjectClient> client, std::shared_ptr<BlockCache> cache,
+                     std::string key, ObjectInfo info)
+      : client_(std::move(client)),
+        cache_(std::move(cache)),
+        key_(std::move(key)),
+        info_(std::move(info)) {}
   uint64_t size() const override { return info_.size; }
 
   Result<size_t> ReadAt(uint64_t offset, size_t n, void* dst) override {
-    if (offset >= info_.size || n == 0) return size_t{0};
-    n = static_cast<size_t>(std::min<uint64_t>(n, info_.size - offset));
-    if (n >= kSmallRead) return Get(offset, n, dst);
+    const uint64_t size = info_.size;
+    if (offset >= size || n == 0) return size_t{0};
+    n = static_cast<size_t>(std::min<uint64_t>(n, size - offset));
+    if (n >= kSmallRead) return Fetch(offset, n, dst);
     uint8_t* out = static_cast<uint8_t*>(dst);
+    const auto fetch = [this](uint64_t at, size_t len, void* to) { return Fetch(at, len, to); };
     for (size_t done = 0; done < n;) {  // at most two blocks
       const uint64_t at = offset + done;
-      NEBULITE_ASSIGN_OR_RETURN(std::shared_ptr<const std::string> block, Block(at / kBlockBytes));
-      const uint64_t in_block = at % kBlockBytes;
-      if (in_block >= block->size()) return Status::IOError("'" + key_ + "' shrank while being read");
-      const size_t take = static_cast<size_t>(std::min<uint64_t>(n - done, block->size() - in_block));
-      std::memcpy(out + done, block->data() + in_block, take);
+      const uint64_t index = (size - 1 - at) / BlockCache::kBlockBytes;
+      NEBULITE_ASSIGN_OR_RETURN(std::shared_ptr<const std::string> block,
+                                cache_->Get(key_, info_.etag, size, index, fetch));
+      const uint64_t block_end = size - index * BlockCache::kBlockBytes;
+      const uint64_t block_start = block_end - block->size();
+      const size_t take = static_cast<size_t>(std::min<uint64_t>(n - done, block_end - at));
+      std::memcpy(out + done, block->data() + (at - block_start), take);
       done += take;
     }
     return n;
   }
 
  private:
-  Result<size_t> Get(uint64_t offset, size_t n, void* dst) {
+  Result<size_t> Fetch(uint64_t offset, size_t n, void* dst) {
     Result<size_t> got = client_->Get(key_, offset, n, dst, info_.etag);
     if (!got.ok() && got.status().code() == StatusCode::kNotFound) {
       return Status::IOError("'" + key_ + "' was deleted after it was opened for reading");
@@ -56,33 +108,10 @@ class ObjectReadableFile final : public ReadableFile {
     return got;
   }
 
-  // Block `index` of the file, read on first use (under the lock: readers of one block
-  // wait for one request).
-  Result<std::shared_ptr<const std::string>> Block(uint64_t index) {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (auto it = blocks_.begin(); it != blocks_.end(); ++it) {
-      if (it->first == index) {
-        auto hit = *it;
-        blocks_.erase(it);
-        blocks_.insert(blocks_.begin(), hit);  // most recent first
-        return hit.second;
-      }
-    }
-    const uint64_t start = index * kBlockBytes;
-    auto block = std::make_shared<std::string>(
-        static_cast<size_t>(std::min(kBlockBytes, info_.size - start)), '\0');
-    NEBULITE_ASSIGN_OR_RETURN(size_t got, Get(start, block->size(), block->data()));
-    block->resize(got);
-    blocks_.insert(blocks_.begin(), {index, block});
-    if (blocks_.size() > kBlocksKept) blocks_.pop_back();
-    return std::shared_ptr<const std::string>(block);
-  }
-
   std::shared_ptr<ObjectClient> client_;
+  std::shared_ptr<BlockCache> cache_;
   const std::string key_;
   const ObjectInfo info_;
-  std::mutex mu_;
-  std::vector<std::pair<uint64_t, std::shared_ptr<const std::string>>> blocks_;  // GUARDED_BY(mu_)
 };
 
 // Holds what is written in memory; Sync() puts it whole.
@@ -169,7 +198,8 @@ class ObjectStorage final : public Storage {
 
   Result<std::unique_ptr<ReadableFile>> NewReadableFile(const std::string& path) override {
     NEBULITE_ASSIGN_OR_RETURN(ObjectInfo info, HeadFile(path));
-    return std::unique_ptr<ReadableFile>(new ObjectReadableFile(client_, path, std::move(info)));
+    return std::unique_ptr<ReadableFile>(
+        new ObjectReadableFile(client_, blocks_, path, std::move(info)));
   }
 
   Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) override {
@@ -307,6 +337,7 @@ class ObjectStorage final : public Storage {
 
   std::shared_ptr<ObjectClient> client_;
   const bool read_only_;
+  const std::shared_ptr<BlockCache> blocks_ = std::make_shared<BlockCache>();
   std::mutex append_mu_;  // serialises this process's appends
 };
 

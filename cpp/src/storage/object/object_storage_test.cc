@@ -271,25 +271,39 @@ TEST(ObjectStorageTest, SmallReadsOfAFileShareAFewRequests) {
   auto storage = OpenObjectStorage(clock);
   const std::string data = std::string(5 << 20, 'a') + std::string(100, 'b');
   ASSERT_TRUE(storage->WriteWholeFile("f", {{data.data(), data.size()}}).ok());
-  auto file = Val(storage->NewReadableFile("f"));
-  // A file's index and headers: many small reads at its two ends, and one across a block
-  // boundary.
-  char buf[4096];
   const uint64_t end = data.size();
-  for (uint64_t off : std::vector<uint64_t>{0, 30, 4000, end - 4096, end - 22, end - 100,
-                                            (1ull << 20) - 10}) {
-    const size_t n = static_cast<size_t>(std::min<uint64_t>(sizeof(buf), data.size() - off));
-    ASSERT_EQ(Val(file->ReadAt(off, n, buf)), n);
-    EXPECT_EQ(std::string(buf, n), data.substr(off, n)) << off;
-  }
-  EXPECT_EQ(clock->gets("f"), 4);  // 1 MiB blocks: the first two and the last two
+  // A file's index and headers: small reads at its two ends, one of them across the
+  // boundary of two blocks (1 MiB, counted from the end).
+  const std::vector<uint64_t> offsets = {0, 30, end - 4096, end - 22, end - 100,
+                                         end - (1ull << 20) - 10};
+  char buf[4096];
+  auto read_all = [&](ReadableFile* file) {
+    for (uint64_t off : offsets) {
+      const size_t n = static_cast<size_t>(std::min<uint64_t>(sizeof(buf), end - off));
+      ASSERT_EQ(Val(file->ReadAt(off, n, buf)), n);
+      EXPECT_EQ(std::string(buf, n), data.substr(off, n)) << off;
+    }
+  };
+  auto file = Val(storage->NewReadableFile("f"));
+  read_all(file.get());
+  // The first block (the file's first 100 bytes) and the one after it, the last two.
+  EXPECT_EQ(clock->gets("f"), 4);
+  // Another handle on the same version (a load opens the file twice) finds them read.
+  auto again = Val(storage->NewReadableFile("f"));
+  read_all(again.get());
+  EXPECT_EQ(clock->gets("f"), 4);
   // A large read goes straight to the store, into the caller's buffer.
   std::string big(1 << 20, '\0');
   ASSERT_EQ(Val(file->ReadAt(1 << 20, big.size(), big.data())), big.size());
   EXPECT_TRUE(big == data.substr(1 << 20, big.size()));
   EXPECT_EQ(clock->gets("f"), 5);
-  // Past the end: nothing.
-  EXPECT_EQ(Val(file->ReadAt(data.size(), 10, buf)), 0u);
+  EXPECT_EQ(Val(file->ReadAt(end, 10, buf)), 0u);  // past the end: nothing
+  // A new version of the file is read anew, never from the old one's blocks.
+  const std::string other(end, 'z');
+  ASSERT_TRUE(storage->WriteWholeFile("f", {{other.data(), other.size()}}).ok());
+  auto newer = Val(storage->NewReadableFile("f"));
+  ASSERT_EQ(Val(newer->ReadAt(0, 10, buf)), 10u);
+  EXPECT_EQ(std::string(buf, 10), other.substr(0, 10));
 }
 
 }  // namespace
