@@ -68,7 +68,7 @@ class BlockCache {
 // Reads of the version opened; small ones through the store's BlockCache.
 class ObjectReadableFile final : public ReadableFile {
  public:
-  static constexpr size_t kSmallRead = 64 << 10;
+  static constexpr size_t kSmallRead = 256 << 10;  // reads below this go through blocks
 
   ObjectReadableFile(std::shared_ptr<ObjectClient> client, std::shared_ptr<BlockCache> cache,
                      std::string key, ObjectInfo info)
