@@ -147,7 +147,7 @@ def test_invalid_init_options(store):
     with pytest.raises(InvalidArgumentError):
         nebulite.init(persistent_storage_path="")
     with pytest.raises(InvalidArgumentError):
-        nebulite.init(persistent_storage_path="s3://bucket/run")
+        nebulite.init(persistent_storage_path="memory://bucket/run")  # no driver for it
     with pytest.warns(UserWarning, match="unknown options"):
         nebulite.init(persistent_storage_path=store, no_such_option=1)
 
