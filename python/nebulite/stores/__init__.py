@@ -84,6 +84,15 @@ class ObjectClient(Protocol):
     def abort_stale_uploads(self, older_than: float) -> list[str]: ...
 
 
+def check_version(client: ObjectClient, key: str, etag: str | None) -> int:
+    """The size of `key` now, after checking that it is still the version `etag` names
+    (ObjectChangedError otherwise; None checks nothing)."""
+    size, _, current = client.head(key)
+    if etag and current != etag:
+        raise ObjectChangedError(f"{client.url}/{key}: the object changed since it was read")
+    return size
+
+
 @dataclass(frozen=True)
 class StoreTuning:
     part_bytes: int = 16 << 20

@@ -37,7 +37,7 @@ from datetime import datetime
 from typing import Callable, Sequence
 
 from nebulite.errors import StorageError, StoragePermissionError
-from nebulite.stores import ObjectChangedError, ObjectStoreError, StoreTuning
+from nebulite.stores import ObjectChangedError, ObjectStoreError, StoreTuning, check_version
 from nebulite.stores._obstore import mtime_ns
 from nebulite.stores._views import ByteViews
 
@@ -227,7 +227,7 @@ class GcsClient:
     # --- the rest of the interface -------------------------------------------------------
     def get(self, key: str, offset: int, length: int, etag: str | None):
         if length <= 0:
-            self._check_version(key, etag)
+            check_version(self, key, etag)
             return b""
         out = _Collector()
         blob = self._bucket.blob(self._name(key))
@@ -247,19 +247,13 @@ class GcsClient:
         try:
             download()
         except self._gex.RequestRangeNotSatisfiable:
-            size = self._check_version(key, etag)
+            size = check_version(self, key, etag)
             if offset >= size:
                 return b""
             raise ObjectStoreError(f"get {self._where(key)}: range {offset}+{length} refused")
         except Exception as e:
             raise self._error(e, "get", key, ObjectChangedError) from e
         return out.value()
-
-    def _check_version(self, key: str, etag: str | None) -> int:
-        size, _, current = self.head(key)
-        if etag and current != etag:
-            raise ObjectChangedError(f"{self._where(key)}: the object changed since it was read")
-        return size
 
     def head(self, key: str) -> tuple[int, int, str]:
         blob = self._call("head", key, lambda: self._bucket.get_blob(self._name(key), retry=self._retry()))

@@ -46,7 +46,7 @@ import obstore
 from obstore import exceptions as obx
 
 from nebulite.errors import StoragePermissionError
-from nebulite.stores import ObjectChangedError, ObjectStoreError, StoreTuning
+from nebulite.stores import ObjectChangedError, ObjectStoreError, StoreTuning, check_version
 from nebulite.stores._views import ByteViews
 
 _EPOCH = datetime(1970, 1, 1, tzinfo=timezone.utc)
@@ -243,7 +243,7 @@ class ObstoreClient:
 
     def get(self, key: str, offset: int, length: int, etag: str | None):
         if length <= 0:
-            self._check_version(key, etag)
+            check_version(self, key, etag)
             return b""
         options: dict = {"range": (offset, offset + length)}
         if etag:
@@ -255,16 +255,10 @@ class ObstoreClient:
             if type(err) is ObjectStoreError:
                 # Stores refuse a range that starts at or past the end (416, or obstore's
                 # own check): that read is empty, as a file's would be.
-                size = self._check_version(key, etag)
+                size = check_version(self, key, etag)
                 if offset >= size:
                     return b""
             raise err from e
-
-    def _check_version(self, key: str, etag: str | None) -> int:
-        size, _, current = self.head(key)
-        if etag and current != etag:
-            raise ObjectChangedError(f"{self._where(key)}: the object changed since it was read")
-        return size
 
     def head(self, key: str) -> tuple[int, int, str]:
         try:
