@@ -299,9 +299,28 @@ def test_a_url_checkpoint_directory_is_refused(tmp_path, store, url, how, monkey
         nebulite.init(persistent_storage_path=store)
         trainer = _trainer(tmp_path, 2, [L.pytorch.callbacks.ModelCheckpoint(dirpath=url, every_n_train_steps=1)],
                            [NebulaCheckpointIO()])
-    with pytest.raises(nebulite.InvalidArgumentError, match="must be a local path"):
+    with pytest.raises(nebulite.InvalidArgumentError, match="does not know the scheme .memory."):
         trainer.fit(TinyModule(), loader())
     assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith("memory:")) == []
+
+
+def test_a_url_checkpoint_directory_with_deepspeed_is_refused(tmp_path, store, monkeypatch):
+    """DeepSpeed writes the checkpoint directory itself, with the local file system: a URL
+    dirpath is refused (the store goes in as the persistent path) instead of becoming local
+    directories named "s3:"."""
+    from nebulite.integrations.lightning import NebulaDeepspeedStrategy
+
+    monkeypatch.chdir(tmp_path)
+    url = "s3://bucket/run/ckpts"
+    strategy = NebulaDeepspeedStrategy(config={"train_micro_batch_size_per_gpu": 1})
+    with pytest.raises(nebulite.InvalidArgumentError, match="DeepSpeed writes .* local dirpath"):
+        strategy.save_checkpoint({}, f"{url}/epoch=0-step=1.ckpt")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    callback = NebulaCallback(dirpath=url, config_params={"persistent_storage_path": store})
+    with pytest.raises(nebulite.InvalidArgumentError, match="persistent storage path"):
+        callback.setup(trainer, TinyModule(), "fit")
+    assert list(tmp_path.iterdir()) == []
 
 
 def _nebulite_threads() -> list[str]:

@@ -267,6 +267,22 @@ def test_deepspeed_zero3_two_ranks_persist_to_and_load_from_an_object_store(tmp_
     assert _committed(url), "nothing was committed in the store"
 
 
+def _assert_resumes(tmp_path, callback, first, ckpt_paths) -> None:
+    """Each of `ckpt_paths` resumes a new trainer (in a fresh nebulite session) at step 4
+    with the weights `first` ended with, bit for bit."""
+    from nebulite.integrations.lightning import NebulaCheckpointIO
+    from test_lightning import _trainer
+    from lightning_worker import Probe, TinyModule, loader
+
+    for ckpt_path in ckpt_paths:
+        nebulite.api._reset_for_tests()  # a new process, as far as nebulite is concerned
+        resumed = Probe()
+        _trainer(tmp_path, 6, [callback(), resumed], [NebulaCheckpointIO()]).fit(
+            TinyModule(), loader(), ckpt_path=ckpt_path)
+        assert resumed.seen["start_step"] == 4, ckpt_path
+        assert resumed.seen["start_weights"] == first.seen["end_weights"]  # bit for bit
+
+
 def test_lightning_saves_to_and_resumes_from_an_object_store(tmp_path, store_url):
     """NebulaCheckpointIO with NebulaCallback, config_params naming the store's URL: the
     checkpoints are committed there, and a new process resumes from one bit for bit."""
@@ -287,13 +303,7 @@ def test_lightning_saves_to_and_resumes_from_an_object_store(tmp_path, store_url
         assert pointer["store"] == store_url and pointer["tag"] == name, pointer
         assert not (tmp_path / "ckpts" / name).is_symlink()
 
-    for ckpt_path in ("last", str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt")):
-        nebulite.api._reset_for_tests()  # a new process, as far as nebulite is concerned
-        resumed = Probe()
-        _trainer(tmp_path, 6, [callback(), resumed], [NebulaCheckpointIO()]).fit(
-            TinyModule(), loader(), ckpt_path=ckpt_path)
-        assert resumed.seen["start_step"] == 4, ckpt_path
-        assert resumed.seen["start_weights"] == first.seen["end_weights"]  # bit for bit
+    _assert_resumes(tmp_path, callback, first, ["last", str(tmp_path / "ckpts" / "epoch=0-step=4.ckpt")])
 
 
 @pytest.mark.parametrize("scheme", ["abfs", "abfss"])
@@ -334,3 +344,58 @@ def test_a_dead_run_s_abandoned_multipart_upload_is_aborted(moto_s3, monkeypatch
     uploads = s3.list_multipart_uploads(Bucket=moto_s3.container).get("Uploads", [])
     assert [u["UploadId"] for u in uploads] == [other["UploadId"]]  # only below the prefix
     s3.abort_multipart_upload(Bucket=moto_s3.container, Key="elsewhere/model", UploadId=other["UploadId"])
+
+
+def _pointer(url: str) -> dict:
+    from nebulite.stores import files
+
+    return json.loads(files.read_bytes(url, 4096))
+
+
+@pytest.mark.parametrize("how", ["callback", "model_checkpoint"])
+def test_lightning_checkpoint_directory_in_an_object_store(tmp_path, store_url, how):
+    """``dirpath="s3://..."`` (and az://, gs://): every path Lightning records is a pointer
+    object at that URL naming its checkpoint in the store; Lightning's own checks of the
+    directory see them, the trainer resumes from one bit for bit (``ckpt_path="last"`` with
+    NebulaCallback; an explicit URL with either), and the paths top-k drops are removed."""
+    import lightning as L
+
+    from nebulite.integrations.lightning import NebulaCallback, NebulaCheckpointIO
+    from nebulite.stores import files
+    from test_lightning import _trainer
+    from lightning_worker import Probe, TinyModule, loader
+
+    dirpath = store_url + "-lightning/ckpts"
+
+    def callback(where: str = dirpath, store: str = store_url, top_k: int = -1):
+        if how == "callback":
+            return NebulaCallback(dirpath=where, every_n_train_steps=2, save_top_k=top_k, save_last=True,
+                                  config_params={"persistent_storage_path": store})
+        # What to keep is ModelCheckpoint's decision (save_top_k), not retention's.
+        nebulite.init(persistent_storage_path=store, rank=0, world_size=1, num_of_version_in_retention=0)
+        return L.pytorch.callbacks.ModelCheckpoint(dirpath=where, every_n_train_steps=2, save_top_k=top_k,
+                                                   save_last=True)
+
+    first = Probe()
+    _trainer(tmp_path, 4, [callback(), first], [NebulaCheckpointIO()]).fit(TinyModule(), loader())
+    names = ["epoch=0-step=2.ckpt", "epoch=0-step=4.ckpt", "last.ckpt"]
+    assert sorted(_committed(store_url)) == names
+    listed, _ = files.listdir(dirpath)
+    assert [e.url.rsplit("/", 1)[1] for e in listed] == names
+    for name in names:
+        pointer = _pointer(f"{dirpath}/{name}")
+        assert (pointer["nebulite_checkpoint"], pointer["store"], pointer["tag"]) == (1, store_url, name)
+    assert not [p for p in tmp_path.rglob("*") if p.name.startswith(("s3:", "az:", "gs:"))]
+
+    # "last" first: each resumed run saves step 6 and moves last.ckpt there.
+    resumes = (["last"] if how == "callback" else []) + [f"{dirpath}/epoch=0-step=4.ckpt"]
+    _assert_resumes(tmp_path, callback, first, resumes)
+
+    # save_top_k=1: the paths Lightning drops are removed, and their versions leave the store.
+    nebulite.api._reset_for_tests()
+    where, store = dirpath + "-top1", store_url + "-top1"
+    _trainer(tmp_path, 6, [callback(where, store, top_k=1)], [NebulaCheckpointIO()]).fit(TinyModule(), loader())
+    listed, _ = files.listdir(where)
+    kept = [e.url.rsplit("/", 1)[1] for e in listed]
+    assert len(kept) == 2 and kept[0].endswith("-step=6.ckpt") and kept[1] == "last.ckpt", kept
+    assert sorted(_committed(store)) == kept

@@ -3,6 +3,7 @@ from the Lightning package that hosts it (see lightning.py and pytorch_lightning
 
 from __future__ import annotations
 
+import posixpath
 import warnings
 from collections.abc import Mapping
 from datetime import timedelta
@@ -10,7 +11,7 @@ from pathlib import Path
 from typing import Any, Literal, Optional, Union
 
 from .. import api
-from .._config import Config
+from .._config import Config, is_store_url
 from .._history import summarise
 from ..errors import InvalidArgumentError
 from ._lightning_io import WRAPPED_REFUSAL, adopt_carried, carry_config, refuse_url
@@ -128,11 +129,24 @@ class NebulaCallbackMixin:
             states[self.state_key] = states.pop(old)
         super().on_load_checkpoint(trainer, pl_module, checkpoint)  # type: ignore[misc]
 
+    def _find_last_checkpoints(self, trainer: Any) -> set[str]:
+        """``ModelCheckpoint``'s, with the last checkpoints of a directory in an object store
+        named by their URLs: Lightning's own drops the scheme fsspec lists them without, and
+        ``ckpt_path="last"`` then looks for them on the local disk and resumes nothing."""
+        found: set[str] = super()._find_last_checkpoints(trainer)  # type: ignore[misc]
+        dirpath = self.dirpath  # type: ignore[attr-defined]
+        if not dirpath or not is_store_url(str(dirpath)):
+            return found
+        return {f"{str(dirpath).rstrip('/')}/{posixpath.basename(p)}" for p in found}
+
     def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
         refuse_url(self.dirpath)  # type: ignore[attr-defined]
         super().setup(trainer, pl_module, stage)  # type: ignore[misc]
         strategy = trainer.strategy
         if isinstance(strategy, self._deepspeed_class):
+            from ._lightning_deepspeed import refuse_url_directory
+
+            refuse_url_directory(self.dirpath)  # type: ignore[attr-defined]
             enable_nebula(strategy.config, self.config_params)
             return
         io = strategy.checkpoint_io

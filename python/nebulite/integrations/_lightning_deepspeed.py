@@ -6,10 +6,22 @@ from __future__ import annotations
 import os
 from typing import Any, Optional
 
+from ..errors import InvalidArgumentError
 from ._lightning_callback import enable_nebula
 
 #: The DeepSpeed tag directory Lightning's own checks look for in a checkpoint directory.
 LIGHTNING_TAG = "checkpoint"
+
+
+def refuse_url_directory(path: Any) -> None:
+    """DeepSpeed writes a checkpoint directory of its own (``latest``, its placeholders) with
+    the local file system: a URL would become a directory named after its scheme."""
+    if path is not None and "://" in os.fspath(path):
+        raise InvalidArgumentError(
+            f"{os.fspath(path)!r}: with a DeepSpeed strategy, DeepSpeed writes Lightning's "
+            "checkpoint directory itself, on the local file system: give a local dirpath. To "
+            "keep the checkpoints in an object store, give its URL as the persistent storage "
+            "path (the \"nebula\" block's persistent_storage_path, or NebulaCallback's config_params)")
 
 
 class NebulaDeepspeedStrategyMixin:
@@ -41,6 +53,7 @@ class NebulaDeepspeedStrategyMixin:
 
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any, storage_options: Optional[Any] = None) -> None:
         """As ``DeepSpeedStrategy.save_checkpoint``, with the tag named after `filepath`."""
+        refuse_url_directory(filepath)
         filepath = self.broadcast(filepath)  # type: ignore[attr-defined]
         if storage_options is not None:
             raise TypeError(

@@ -10,6 +10,12 @@ is a small JSON pointer file naming the store, tag and version instead: Lightnin
 and this IO's loads work on it; ``torch.load`` does not (load through the trainer, or
 ``nebulite.get_checkpoint``).
 
+Lightning's checkpoint directory may itself be an object store's URL (``dirpath=
+"s3://bucket/run"``): its paths are then pointer objects there, written and read through
+nebulite's clients (nebulite.stores.files). Lightning reaches that directory through fsspec;
+for a scheme whose fsspec package (s3fs, adlfs, gcsfs) is not installed, importing this
+module registers nebulite's own filesystem for it (nebulite.stores._fsspec).
+
 The life of a path (Lightning saves and removes on global rank 0 only):
 
 1. ``save_checkpoint`` first persists what the other paths name that is held in memory
@@ -41,6 +47,7 @@ import dataclasses
 import json
 import logging
 import os
+import posixpath
 import re
 import shutil
 import threading
@@ -52,6 +59,9 @@ from typing import Any, Callable, Optional
 from .. import _core, api
 from .._config import Config, is_store_url, parse_path, store_exists
 from ..errors import InvalidArgumentError, NotFoundError
+from ..stores import _fsspec, files
+
+_fsspec.register_missing()
 
 log = logging.getLogger("nebulite")
 
@@ -72,14 +82,46 @@ WRAPPED_REFUSAL = (
 )
 
 def refuse_url(path: Any) -> None:
-    """Lightning's checkpoint paths are local paths here (the links nebulite makes): a URL
-    (``s3://...``, ``memory://...``) is refused instead of becoming a directory named
-    after its scheme."""
+    """Lightning's checkpoint paths are local paths or object-store URLs here: any other URL
+    (``memory://...``, ``hdfs://...``) is refused instead of becoming a directory named after
+    its scheme."""
     if path is not None and "://" in os.fspath(path):
-        raise InvalidArgumentError(
-            f"{os.fspath(path)!r}: Lightning's checkpoint directory must be a local path with "
-            "NebulaCheckpointIO and NebulaCallback; to store checkpoints elsewhere, give the "
-            "store as the persistent storage path")
+        parse_path("Lightning's checkpoint path", os.fspath(path))  # refuses, naming the schemes
+
+
+# -- Lightning's paths: local paths, or object-store URLs -----------------------------
+
+
+def _key(path: str | os.PathLike[str]) -> str:
+    """The one spelling of a checkpoint path: absolute, or a URL without trailing '/'."""
+    p = os.fspath(path)
+    return p.rstrip("/") if is_store_url(p) else os.path.abspath(p)
+
+
+def _same_directory(a: str, b: str) -> bool:
+    if is_store_url(a) or is_store_url(b):
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _kind(key: str) -> Optional[str]:
+    """"file", "directory" or None for what is at `key` (links followed: a dangling one
+    is None)."""
+    if is_store_url(key):
+        return files.kind(key)
+    if os.path.isfile(key):
+        return "file"
+    return "directory" if os.path.isdir(key) else None
+
+
+def _remove(key: str) -> None:
+    if is_store_url(key):
+        if files.kind(key) == "file":
+            files.remove(key)
+    elif os.path.islink(key) or os.path.isfile(key):
+        os.unlink(key)
+    elif os.path.isdir(key):
+        shutil.rmtree(key)
 
 
 def carry_config(state: dict[str, Any]) -> dict[str, Any]:
@@ -113,11 +155,11 @@ class _Version:
 
     @property
     def directory(self) -> str:
-        return os.path.join(self.root, self.tag, self.version)
+        return posixpath.join(self.root, self.tag, self.version)
 
     @property
     def data_file(self) -> str:
-        return os.path.join(self.root, _core.data_file_path(self.tag, self.version, 0, CHECKPOINT_NAME))
+        return posixpath.join(self.root, _core.data_file_path(self.tag, self.version, 0, CHECKPOINT_NAME))
 
     def in_store(self) -> bool:
         return store_exists(self.root) and bool(
@@ -138,12 +180,14 @@ class _PathState:
 
 def _version_of_file(path: str) -> Optional[_Version]:
     """The version a data file path `<root>/<tag>/<version>/rank<R>/<name>` lies in."""
-    parts = os.path.normpath(path).split(os.sep)
+    url = is_store_url(path)
+    parts = (path.rstrip("/") if url else os.path.normpath(path)).split("/")
     if len(parts) < 5 or not _RANK_DIR.match(parts[-2]) or not _core.parse_version_name(parts[-3]):
         return None
-    root = os.sep.join(parts[:-4]) or os.sep
+    root = "/".join(parts[:-4]) or "/"
     config = api._config()
-    if config and config.persistent_storage_path and os.path.realpath(config.persistent_storage_path) == root:
+    if config and config.persistent_storage_path and not url and \
+            os.path.realpath(config.persistent_storage_path) == root:
         root = config.persistent_storage_path  # the spelling the session knows its memory tier by
     return _Version(root, parts[-4], parts[-3])
 
@@ -180,13 +224,17 @@ def _write_pointer(path: str, v: _Version) -> None:
     """Makes `path` a pointer file naming version `v` of an object store, replacing what was
     there atomically: a small JSON object ``{"nebulite_checkpoint": 1, "store": <URL>, "tag":
     ..., "version": ...}``. It is what a link is on a disk: Lightning's own checks of the path
-    (``ckpt_path="last"``, ``os.path.exists``) see a file, and this IO loads what it names."""
+    (``ckpt_path="last"``, ``os.path.exists``) see a file, and this IO loads what it names.
+    At an object-store URL it is one object, put whole."""
+    data = (json.dumps({POINTER_KEY: 1, "store": v.root, "tag": v.tag, "version": v.version}) + "\n").encode()
+    if is_store_url(path):
+        files.write_bytes(path, data)
+        return
     directory = os.path.dirname(path)
     os.makedirs(directory, exist_ok=True)
     tmp = os.path.join(directory, f".{os.path.basename(path)}.nebulite-{os.getpid()}")
-    with open(tmp, "w") as f:
-        json.dump({POINTER_KEY: 1, "store": v.root, "tag": v.tag, "version": v.version}, f)
-        f.write("\n")
+    with open(tmp, "wb") as f:
+        f.write(data)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -195,11 +243,19 @@ def _write_pointer(path: str, v: _Version) -> None:
 def _read_pointer(path: str) -> Optional[_Version]:
     """The version the pointer file at `path` names; None for any other file."""
     try:
-        if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > _POINTER_MAX_BYTES:
-            return None
-        with open(path, "rb") as f:
-            data = json.loads(f.read())
-    except (OSError, ValueError):
+        if is_store_url(path):  # the store's own errors (unreachable, refused) propagate
+            raw = files.read_bytes(path, _POINTER_MAX_BYTES)
+        else:
+            if os.path.islink(path) or not os.path.isfile(path) or os.path.getsize(path) > _POINTER_MAX_BYTES:
+                return None
+            with open(path, "rb") as f:
+                raw = f.read()
+        data = json.loads(raw)
+    except (FileNotFoundError, IsADirectoryError, ValueError):  # nothing there, too large, not JSON
+        return None
+    except OSError:
+        if is_store_url(path):
+            raise
         return None
     if not isinstance(data, dict) or data.get(POINTER_KEY) != 1:
         return None
@@ -210,8 +266,9 @@ def _read_pointer(path: str) -> Optional[_Version]:
 
 
 def _point(path: str, v: _Version) -> None:
-    """Makes `path` name `v`: a link to its data file, or a pointer file in an object store."""
-    if v.linkable:
+    """Makes `path` name `v`: a link to its data file, or a pointer file where no link can
+    lead (an object store holds `v`, or `path` itself is in one)."""
+    if v.linkable and not is_store_url(path):
         _link(path, v.data_file)
     else:
         _write_pointer(path, v)
@@ -260,8 +317,8 @@ class NebulaCheckpointIOMixin:
         refuse_url(path)
         is_best, persist_path = self._parse_storage_options(storage_options)
         self._ensure_session(persist_path)
-        key = os.path.abspath(os.fspath(path))
-        tag = os.path.basename(key)
+        key = _key(path)
+        tag = posixpath.basename(key)
         if tag.startswith("."):
             # Not a checkpoint: a hidden file of Lightning's own, such as the ".temp.ckpt"
             # that carries the trained weights from a process ddp_spawn started back to the
@@ -270,7 +327,7 @@ class NebulaCheckpointIOMixin:
             return
         config = api._config()
         root = config.persistent_storage_path if config else None
-        if root and os.path.realpath(os.path.dirname(key)) == os.path.realpath(root):
+        if root and _same_directory(os.path.dirname(key), root):
             raise InvalidArgumentError(
                 f"{type(self).__name__}: {key} lies in nebulite's persistent path itself, where "
                 f"the directory of tag {tag!r} goes: save Lightning's checkpoints to another "
@@ -311,10 +368,10 @@ class NebulaCheckpointIOMixin:
         ``trainer.fit(..., weights_only=False)``.
         """
         self._settle()
-        key = os.path.abspath(os.fspath(path))
+        key = _key(path)
         handle = self._find(key)
         if handle is None:
-            if os.path.exists(key):  # not nebulite's: say, saved by torch.save before switching
+            if _kind(key) is not None:  # not nebulite's: say, saved by torch.save before switching
                 return self._torch_load(key, map_location=map_location, weights_only=weights_only)
             raise FileNotFoundError(f"Checkpoint file not found: {path}")
         return handle.load(CHECKPOINT_NAME, map_location=map_location, weights_only=weights_only)
@@ -322,13 +379,10 @@ class NebulaCheckpointIOMixin:
     def remove_checkpoint(self, path: str | os.PathLike[str]) -> None:
         """Removes `path` from Lightning's view at once; the versions it named are deleted
         from the store once a newer version is committed there (retention's rule)."""
-        key = os.path.abspath(os.fspath(path))
+        key = _key(path)
         state = self._paths.pop(key, None) or _PathState(current=self._linked_version(key))
         self._doomed.extend(([state.current] if state.current else []) + state.pending)
-        if os.path.islink(key) or os.path.isfile(key):
-            os.unlink(key)
-        elif os.path.isdir(key):
-            shutil.rmtree(key)
+        _remove(key)
         self._settle()
 
     def teardown(self) -> None:
@@ -428,7 +482,7 @@ class NebulaCheckpointIOMixin:
     @staticmethod
     def _linked_version(key: str) -> Optional[_Version]:
         """The version the (possibly dangling) link at `key` names, if it is nebulite's."""
-        if not os.path.islink(key):
+        if is_store_url(key) or not os.path.islink(key):
             return _read_pointer(key)
         return _version_of_file(os.path.realpath(key))
 
@@ -440,19 +494,20 @@ class NebulaCheckpointIOMixin:
             candidates += reversed(state.pending)
             candidates += [state.current] if state.current else []
         linked = self._linked_version(key)
-        if linked is None and os.path.isfile(key):
-            linked = _version_of_file(os.path.realpath(key))  # a data file given directly
+        kind = _kind(key)
+        if linked is None and kind == "file":  # a data file given directly
+            linked = _version_of_file(key if is_store_url(key) else os.path.realpath(key))
         if linked is not None:
             candidates.append(linked)
         for v in candidates:
             handle = api.get_checkpoint(tag=v.tag, persist_path=v.root or None, version=v.version)
             if handle.tag:
                 return handle
-        if os.path.exists(key) and linked is None:
+        if kind is not None and linked is None:
             return None  # a file of its own, not nebulite's
         # Nothing there (or a link to a version that is gone): the newest of the tag, as
         # Nebula did for trainer.fit(ckpt_path=".../<tag>").
-        tag = os.path.basename(key)
+        tag = posixpath.basename(key)
         try:
             handle = api.get_checkpoint(tag=tag, persist_path=linked.root if linked else None)
         except InvalidArgumentError:
@@ -476,11 +531,11 @@ class NebulaCheckpointIOMixin:
                     self._doomed.append(state.current)
                 self._doomed.extend(state.pending[:i])
                 state.current, state.pending = newest, state.pending[i + 1:]
-                if not os.path.isdir(key):
+                if _kind(key) != "directory":
                     _point(key, newest)
-            elif not os.path.exists(key):
+            elif _kind(key) is None:
                 coming = [v for v in state.pending if (v.tag, v.version) in in_flight]
-                if coming and (not coming[-1].linkable or
+                if coming and (is_store_url(key) or not coming[-1].linkable or
                                os.path.realpath(key) != os.path.realpath(coming[-1].data_file)):
                     _point(key, coming[-1])  # valid once persisted, even after a crash
         self._collect(in_flight)
