@@ -48,11 +48,12 @@ def _bytes_address(b: bytes) -> int:
 class RecordCollector:
     """Stands in for torch's zip writer; keeps what it is handed alive."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: _staging.Watch | None = None) -> None:
         # (name, address, size, deferred): deferred bytes may be copied after save()
         self.records: list[tuple[str, int, int, bool]] = []
         self._keep: list[Any] = []
         self.storage_bytes = 0
+        self.watch = watch if watch is not None else _staging.Watch()
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
         if isinstance(data, str):
@@ -67,7 +68,7 @@ class RecordCollector:
             data = data.cpu()
         self._keep.append(data)
         ptr = int(data.data_ptr())
-        self.records.append((name, ptr, int(nbytes), _staging.deferrable(ptr, int(nbytes))))
+        self.records.append((name, ptr, int(nbytes), self.watch.defer(data, int(nbytes))))
         self.storage_bytes += int(nbytes)
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:  # pragma: no cover
@@ -83,7 +84,7 @@ class RecordCollector:
 
 def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str) -> RecordCollector:
     """Returns the records of `obj` as torch.save would write them, plus nebulite's index."""
-    collector = RecordCollector()
+    collector = RecordCollector(_staging.Watch.of(obj))
     try:
         torch.serialization._save(obj, collector, pickle, 2, False)
     except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as e:
