@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import threading
 import weakref
-from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator
 
 import torch
@@ -122,29 +121,25 @@ def _tensors(obj: Any, path: tuple[Any, ...] = (), depth: int = 0,
         yield from _tensors(v, path + (k,), depth + 1, seen)
 
 
-def key_path(path: tuple[Any, ...]) -> str:
-    return ".".join(str(k) for k in path) or "<the object itself>"
+def key_path(obj: Any, tensor: torch.Tensor) -> str:
+    """Where `tensor` is in `obj`, as dotted keys (``state.0.exp_avg``)."""
+    for path, t in _tensors(obj):
+        if t is tensor:
+            return ".".join(str(k) for k in path) or "<the object itself>"
+    return "<a tensor inside the object>"
 
 
-@dataclass
 class Watch:
     """The deferred storages of one saved object and the tensors that view them, as
-    they were at save(): what the barrier checks before the object may be committed."""
+    they were at save() (found by nebulite._plan.walk): what the barrier checks before
+    the object may be committed. Keeps the object alive until then."""
 
-    # id(storage) -> [(key path, tensor, _version at save)] for tensors found in the object
-    _views: dict[int, list[tuple[tuple[Any, ...], torch.Tensor, int]]] = field(default_factory=dict)
-    # (storage, its views) of each deferred storage
-    deferred: list[tuple[torch.UntypedStorage, list[tuple[tuple[Any, ...], torch.Tensor, int]]]] = \
-        field(default_factory=list)
-
-    @classmethod
-    def of(cls, obj: Any) -> "Watch":
-        w = cls()
-        if any_safe():
-            for path, t in _tensors(obj):
-                if t.device.type == "cpu" and t.layout == torch.strided:
-                    w._views.setdefault(id(t.untyped_storage()), []).append((path, t, t._version))
-        return w
+    def __init__(self, obj: Any = None, structure: Any = None) -> None:
+        self._obj = obj
+        # id(storage) -> [(tensor, _version at save)] for tensors found in the object
+        self._views: dict[int, list[tuple[torch.Tensor, int]]] = (
+            structure.views if structure is not None and any_safe() else {})
+        self.deferred: list[tuple[torch.UntypedStorage, list[tuple[torch.Tensor, int]]]] = []
 
     def defer(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
         """True (and recorded) if `storage` is copied after save() returns: it is safe and
@@ -158,9 +153,9 @@ class Watch:
     def changed(self) -> str | None:
         """Why the deferred bytes may not be the ones at save() (None if they are)."""
         for storage, views in self.deferred:
-            for path, t, version in views:
+            for t, version in views:
                 if t._version != version:
-                    return f"tensor {key_path(path)!r} was changed in place"
+                    return f"tensor {key_path(self._obj, t)!r} was changed in place"
                 if t.untyped_storage() is not storage:
-                    return f"tensor {key_path(path)!r} was given another storage"
+                    return f"tensor {key_path(self._obj, t)!r} was given another storage"
         return None
