@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from . import _core, _dist, _staging, _waiting
+from . import _core, _dist, _pinned, _staging, _waiting
 from ._save_dir import Placeholders
 from ._config import Config, is_store_url, parse_path, parse_seconds, read_threads, store_exists
 from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
@@ -183,6 +183,7 @@ class _Session:
             else:
                 self.engine = self._open_embedded(config)
             self._finish_init()
+            self.pin_memory_if_cuda()
         except BaseException:
             self._release_lease()
             raise
@@ -212,6 +213,25 @@ class _Session:
         self.pending.clear()
         self.held_commits.clear()
         self._shared_memory = None
+
+    def pin_memory_if_cuda(self) -> bool:
+        """Registers the memory tier with CUDA when this process uses CUDA (see
+        nebulite._pinned); True if it is pinned."""
+        if not _pinned.cuda_in_use():
+            return False
+        return self.pinned_range().ensure()
+
+    def pinned_range(self) -> _pinned.PinnedRange:
+        """The memory tier as this process maps it (registered with CUDA or not)."""
+        pinned = getattr(self.engine, "pinned", None)
+        if pinned is None:  # the embedded engine
+            pinned = self._embedded_pinned = getattr(self, "_embedded_pinned", None) or \
+                _pinned.PinnedRange(self.engine.arena_address, self.engine.memory_capacity)
+        return pinned
+
+    def release_pinned(self) -> None:
+        if isinstance(self.engine, _core.Engine) and getattr(self, "_embedded_pinned", None):
+            self._embedded_pinned.release()  # the agent's client releases its own mapping
 
     def _open_embedded(self, config: Config) -> Any:
         return _core.Engine.open(
@@ -301,6 +321,7 @@ class _Session:
             if self.root and isinstance(self.engine, _core.Engine):  # an agent goes on alone
                 _waiting.wait_written(self.engine, self.config.commit_timeout, self.root,
                                       "shutdown")
+            self.release_pinned()  # before the engine unmaps its arena
             self.engine.close(self.config.commit_timeout)
             self.replace_placeholders(gone=True)
         finally:
@@ -602,6 +623,7 @@ class Checkpoint:
                 v = s.new_version(self.tag)
             if name in v.names:
                 raise InvalidArgumentError(f"{name!r} was already saved in checkpoint {self.tag!r}")
+            s.pin_memory_if_cuda()  # once, when this process has started using CUDA
             try:
                 records = flatten(obj, tag=self.tag, name=name, rank=s.rank, version=v.version)
                 if records.deferred:
@@ -1284,6 +1306,7 @@ def session_info() -> dict[str, Any]:
         "memory_capacity": s.engine.memory_capacity,
         "memory_used": s.engine.memory_used,
         "memory_resident": s.engine.memory_resident,
+        "memory_pinned": s.pinned_range().pinned,  # registered with CUDA (nebulite._pinned)
         "run_id": s.run_id,
         "agent_pid": getattr(s.engine, "agent_pid", None),  # None: the engine is embedded
     }
