@@ -88,3 +88,5 @@ def test_objects_outside_the_plain_types_have_no_key():
     p.note = "mine"  # an attribute of its own is pickled with it
     assert _plan.walk({"p": p}).key is None
     assert _plan.walk({"p": torch.zeros(2).to_sparse()}).key is None
+    assert _plan.walk({"c": torch.zeros(2, dtype=torch.complex64).conj()}).key is None
+    assert _plan.walk({"q": torch.quantize_per_tensor(torch.zeros(2), 0.1, 0, torch.qint8)}).key is None

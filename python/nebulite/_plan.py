@@ -14,7 +14,8 @@ addresses are taken afresh.
 
 Only objects made of dicts, lists, tuples, plain scalars and plain CPU tensors have a key;
 anything else (a custom class, a tensor subclass, a tensor with hooks or attributes of its
-own, a CUDA tensor) is flattened by torch's serializer every time.
+own, a quantized, conjugate or negative-bit tensor, a CUDA tensor) is flattened by torch's
+serializer every time.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def walk(obj: Any) -> Structure:
                 views[id(s)] = []
             views[id(s)].append((x, x._version))
             if (t is not Tensor and t is not Parameter) or not x.is_cpu or x.__dict__ \
-                    or x._backward_hooks:
+                    or x._backward_hooks or x.is_quantized or x.is_conj() or x.is_neg():
                 keyed = False
                 return
             put((t, x.dtype, x.shape, x.stride(), x.storage_offset(), x.requires_grad, j,

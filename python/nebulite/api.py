@@ -656,7 +656,9 @@ class Checkpoint:
     def commit(self) -> bool:
         """Completes the checkpoint. Returns True once it is committed (in memory at
         once; in the store in the background when it is due to be persisted). With several
-        ranks every rank calls it: a background error of any rank is raised by all."""
+        ranks every rank calls it: a background error of any rank is raised by all. With
+        async_staging, a checkpoint whose copies are still running is committed by the
+        barrier that follows them (see nebulite._staging), or, torn, never."""
         with _lock:
             s = _require_session()
             s.raise_background_errors_together()
