@@ -124,3 +124,87 @@ def test_optimizer_step_right_after_save_waits_for_the_copy(store):
         got = nm.get_checkpoint(tag=f"s{k}").load("model")
         for name, t in state.items():
             assert torch.equal(got[name], t), (k, name)
+
+
+def _stepped_model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model, opt = _model()
+    _step(model, opt)
+    _step(model, opt)  # its state exists since the first step: known safe from the second
+    return model, opt
+
+
+def test_a_tensor_changed_before_its_deferred_copy_fails_that_checkpoint(store, mode):
+    """A change outside optimizer.step() between save() and the copy tears the checkpoint:
+    it is never committed, the error names the tensor, the previous one still loads."""
+    nm.init(persistent_storage_path=store, async_staging=True, persistent_time_interval=0)
+    model, opt = _stepped_model()
+    ckpt = nm.Checkpoint("good", 2)
+    ckpt.save("model", model.state_dict())
+    ckpt.save("optimizer", opt.state_dict())
+    good = _clone(model.state_dict())
+    nm.wait_staged()
+    bad = nm.Checkpoint("torn", 2)
+    bad.save("model", model.state_dict())
+    bad.save("optimizer", opt.state_dict())
+    with torch.no_grad():
+        model[0].weight.add_(1)  # in place, outside optimizer.step(), before the copy
+    with pytest.raises(nm.errors.TornCheckpointError, match=r"0\.weight") as info:
+        nm.wait_staged()
+    assert "torn" in str(info.value) and "'model'" in str(info.value)
+    assert nm.get_checkpoint(tag="torn").tag == ""
+    assert nm.get_latest_checkpoint().tag == "good"
+    got = nm.get_latest_checkpoint().load("model")
+    for name, t in good.items():
+        assert torch.equal(got[name], t), name
+    nm.flush_persistence()
+    nm.api._reset_for_tests()
+    assert [e["tag"] for e in nm.list_checkpoints(persist_path=store)] == ["good"]
+
+
+def test_a_torn_checkpoint_is_reported_at_the_next_save_after_a_step(store):
+    """The optimizer's barrier never raises inside step(); the next nebulite call does."""
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _stepped_model()
+    nm.Checkpoint("torn").save("optimizer", opt.state_dict())
+    state = opt.state[model[0].weight]
+    state["exp_avg"].mul_(2)  # changes optimizer state in place before the copy
+    _step(model, opt)  # the barrier runs here: the checkpoint fails, training goes on
+    with pytest.raises(nm.errors.TornCheckpointError, match=r"state\.0\.exp_avg"):
+        nm.Checkpoint("next").save("optimizer", opt.state_dict())
+    nm.wait_staged()
+    assert nm.get_latest_checkpoint().tag == ""
+
+
+def test_a_tensor_given_another_storage_fails_the_checkpoint(store):
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _stepped_model()
+    state = model.state_dict()
+    nm.Checkpoint("torn").save("model", state)
+    with torch.no_grad():
+        state["2.weight"].set_(torch.zeros_like(state["2.weight"]))  # its storage is replaced
+    with pytest.raises(nm.errors.TornCheckpointError, match=r"2\.weight"):
+        nm.wait_staged()
+    assert nm.get_latest_checkpoint().tag == ""
+
+
+def test_a_freed_storage_whose_address_is_reused_is_not_deferred(store):
+    """Safe storages are known by identity: a buffer that lands at the address a freed
+    optimizer-managed storage left behind is copied before save() returns."""
+    import gc
+
+    import numpy as np
+
+    nm.init(persistent_storage_path=store, async_staging=True)
+    memory = np.zeros(1 << 20, dtype=np.float32)  # 4 MiB that outlive the tensors on them
+    p = torch.nn.Parameter(torch.from_numpy(memory))
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()  # p's storage is known safe from now on
+    assert flatten({"p": p.detach()}, tag="t", name="p", rank=0, version="v").deferred
+    address = p.data_ptr()
+    del p, opt
+    gc.collect()  # the parameter's storage is freed; its address is free for another
+    buffer = torch.from_numpy(memory)  # a new storage at the very same address
+    assert buffer.data_ptr() == address
+    records = flatten({"buffer": buffer}, tag="t", name="b", rank=0, version="v")
+    assert not records.deferred

@@ -178,3 +178,22 @@ def test_compare_store_clients_smoke() -> None:
     assert any(r.startswith("moto") and "obstore" in r and "failed" not in r for r in rows), rows
     assert any(r.startswith("gcp") and "google-cloud-storage" in r and "failed" not in r for r in rows), rows
     assert any(r.startswith("gcp") and "obstore" in r and "failed" in r for r in rows), rows
+
+
+def test_bench_async_staging_smoke(tmp_path: Path, new_agents: Callable[[], list[psutil.Process]]) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "async.json"
+    result = _run([str(BENCH / "bench_async_staging.py"), "--smoke", "--dir", str(work),
+                   "--json", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "blocking DCP" in result.stdout and "staged DCP" in result.stdout
+    data = json.loads(out.read_text())
+    assert set(data) == {"syn-tiny", "gpt2-tiny"}
+    for figures in data.values():
+        for who in ("dcp", "nebulite"):
+            assert figures[who] and all(r["blocking_s"] > 0 and r["staged_s"] >= r["blocking_s"]
+                                        for r in figures[who]), who
+        assert figures["blocking_ratio"] > 0
+    assert not any(work.iterdir())  # the benchmark cleans up after itself
+    _assert_agents_stopped(new_agents)

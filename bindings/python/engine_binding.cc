@@ -331,6 +331,8 @@ void RegisterEngine(nb::module_& m) {
              return out;
            })
       .def_prop_ro("memory_capacity", &Engine::memory_capacity)
+      .def_prop_ro("arena_address",
+                   [](const Engine& e) { return reinterpret_cast<uintptr_t>(e.arena().base()); })
       .def_prop_ro("memory_used", &Engine::memory_used)
       .def_prop_ro("memory_resident", &Engine::memory_resident)
       .def("wait_prefaulted",

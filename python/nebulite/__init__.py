@@ -33,6 +33,7 @@ from .errors import (
     StoragePermissionError,
     StoreInUseError,
     TagMismatchError,
+    TornCheckpointError,
     UnsupportedVersionError,
 )
 
@@ -101,6 +102,7 @@ __all__ = [
     "StoragePermissionError",
     "StoreInUseError",
     "TagMismatchError",
+    "TornCheckpointError",
     "UnsupportedVersionError",
     "flush_persistence",
     "get_checkpoint",

@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import torch
 
-from . import _staging
+from . import _plan, _staging
 from .errors import InvalidArgumentError
 
 FORMAT_VERSION = 1
@@ -48,26 +48,27 @@ def _bytes_address(b: bytes) -> int:
 class RecordCollector:
     """Stands in for torch's zip writer; keeps what it is handed alive."""
 
-    def __init__(self) -> None:
+    def __init__(self, watch: _staging.Watch | None = None) -> None:
         # (name, address, size, deferred): deferred bytes may be copied after save()
         self.records: list[tuple[str, int, int, bool]] = []
-        self._keep: list[Any] = []
+        self.sources: list[Any] = []  # each record's bytes or storage, kept alive
         self.storage_bytes = 0
+        self.watch = watch if watch is not None else _staging.Watch()
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
         if isinstance(data, str):
             data = data.encode()
         if isinstance(data, (bytes, bytearray)):
             data = bytes(data)
-            self._keep.append(data)
+            self.sources.append(data)
             self.records.append((name, _bytes_address(data), len(data), False))
             return
         # An untyped storage (already on the CPU: _save moves others there).
         if data.device.type != "cpu":  # pragma: no cover - _save handles it
             data = data.cpu()
-        self._keep.append(data)
+        self.sources.append(data)
         ptr = int(data.data_ptr())
-        self.records.append((name, ptr, int(nbytes), _staging.deferrable(ptr, int(nbytes))))
+        self.records.append((name, ptr, int(nbytes), self.watch.defer(data, int(nbytes))))
         self.storage_bytes += int(nbytes)
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:  # pragma: no cover
@@ -80,18 +81,54 @@ class RecordCollector:
     def deferred(self) -> bool:
         return any(r[3] for r in self.records)
 
+    def plan(self, structure: _plan.Structure) -> _plan.Plan | None:
+        """The records so far as a plan for later saves of the same structure (None when
+        a storage is not one the walk met)."""
+        if structure.key is None:
+            return None
+        order = {id(st): j for j, st in enumerate(structure.storages)}
+        out: list[tuple[Any, ...]] = []
+        for (name, _, size, _), src in zip(self.records, self.sources):
+            if isinstance(src, bytes):
+                out.append((name, src, None))
+            elif id(src) in order:
+                out.append((name, None, order[id(src)], size))
+            else:
+                return None
+        return _plan.Plan(structure.key, tuple(out))
+
 
 def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str) -> RecordCollector:
-    """Returns the records of `obj` as torch.save would write them, plus nebulite's index."""
-    collector = RecordCollector()
-    try:
-        torch.serialization._save(obj, collector, pickle, 2, False)
-    except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as e:
-        raise InvalidArgumentError(
-            f"cannot save {name!r} in checkpoint {tag!r}: the object is not picklable ({e})"
-        ) from e
-    # torch.save's own writer adds these two records; so do we.
-    collector.add_bytes("version", _TORCH_ARCHIVE_VERSION)
+    """Returns the records of `obj` as torch.save would write them, plus nebulite's index.
+    A structure saved under `name` before reuses its flattening (see nebulite._plan)."""
+    structure = _plan.walk(obj)
+    collector = RecordCollector(_staging.Watch(obj, structure))
+    plan = _plan.find(name, structure.key)
+    if plan is not None:
+        for record in plan.records:
+            if record[1] is not None:
+                collector.add_bytes(record[0], record[1])
+            else:
+                collector.write_record(record[0], structure.storages[record[2]], record[3])
+    else:
+        try:
+            torch.serialization._save(obj, collector, pickle, 2, False)
+        except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as e:
+            raise InvalidArgumentError(
+                f"cannot save {name!r} in checkpoint {tag!r}: the object is not picklable ({e})"
+            ) from e
+        # torch records its own payload alignment; ours is 4 KiB.
+        alignment = str(STORAGE_ALIGNMENT).encode()
+        for i, (n, _, _, _) in enumerate(collector.records):
+            if n == ".storage_alignment":
+                collector.sources[i] = alignment
+                collector.records[i] = (n, _bytes_address(alignment), len(alignment), False)
+        # torch.save's own writer adds this record; so do we.
+        collector.add_bytes("version", _TORCH_ARCHIVE_VERSION)
+        made = collector.plan(structure)
+        if made is not None:
+            _plan.keep(name, made)
+    # ... and this one, new for every archive.
     collector.add_bytes(".data/serialization_id", str(secrets.randbits(128)).zfill(40).encode())
     index = {
         "format": "nebulite",
@@ -103,12 +140,6 @@ def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str) -> Record
         "created_unix_ns": time.time_ns(),
     }
     collector.add_bytes(INDEX_RECORD, json.dumps(index, sort_keys=True).encode())
-    # torch records its own payload alignment; ours is 4 KiB.
-    alignment = str(STORAGE_ALIGNMENT).encode()
-    for i, (n, _, _, _) in enumerate(collector.records):
-        if n == ".storage_alignment":
-            collector._keep.append(alignment)
-            collector.records[i] = (n, _bytes_address(alignment), len(alignment), False)
     return collector
 
 

@@ -10,41 +10,53 @@ optimizers are such optimizers or wrap one). Only storages that belong to a para
 or to the state of an optimizer that has stepped at least once are deferred; every
 other tensor (buffers such as BatchNorm statistics, which change in forward) is
 copied before save() returns.
+
+Safe storages are known by identity (weak references to torch's storage objects, which
+torch keeps as long as the storage lives), never by address: an address that a freed
+optimizer state leaves behind may be reused by a buffer that forward changes.
+
+A save that breaks the contract (a deferred tensor changed in place before the
+barrier: ``with torch.no_grad(): p.add_(1)``, ``t.set_(...)``) is detected at the barrier,
+after the copies landed and before the checkpoint is committed: each deferred storage
+is recorded with the tensors of the saved object that view it (their key paths) and
+their ``_version`` counters; a counter that moved, or a tensor whose storage is no
+longer the recorded one, fails that checkpoint (TornCheckpointError, naming the
+tensor) and it is never committed. A write through ``Tensor.data`` is out of reach:
+torch gives ``.data`` a version counter of its own.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import Any, Callable
+import weakref
+from typing import Any, Callable, Iterator
 
 import torch
 
 _lock = threading.Lock()
-_safe_storages: set[int] = set()
+_safe_storages: "weakref.WeakSet[torch.UntypedStorage]" = weakref.WeakSet()
 _hook_handle: Any = None
 _waiter: Callable[[], None] | None = None
 
 #: Storages smaller than this are always copied before save() returns.
 MIN_DEFERRED_BYTES = 1 << 20
-
-
-def _storage_ptr(t: torch.Tensor) -> int:
-    return int(t.untyped_storage().data_ptr())
+#: How deep the key paths of a saved object are followed to find its tensors.
+_MAX_DEPTH = 64
 
 
 def _remember(optimizer: torch.optim.Optimizer) -> None:
-    ptrs = set()
+    storages = []
     for group in optimizer.param_groups:
         for p in group["params"]:
             if isinstance(p, torch.Tensor) and p.device.type == "cpu":
-                ptrs.add(_storage_ptr(p))
+                storages.append(p.untyped_storage())
     for state in optimizer.state.values():
         if isinstance(state, dict):
             for v in state.values():
                 if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.numel() > 0:
-                    ptrs.add(_storage_ptr(v))
+                    storages.append(v.untyped_storage())
     with _lock:
-        _safe_storages.update(ptrs)
+        _safe_storages.update(storages)
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -55,7 +67,8 @@ def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
 
 
 def enable(wait: Callable[[], None]) -> None:
-    """Installs the optimizer barrier; `wait` blocks until pending copies landed."""
+    """Installs the optimizer barrier; `wait` blocks until pending copies landed (it must
+    not raise: a failed checkpoint is reported by the next nebulite call)."""
     global _hook_handle, _waiter
     _waiter = wait
     if _hook_handle is None:
@@ -78,9 +91,71 @@ def enabled() -> bool:
     return _waiter is not None
 
 
-def deferrable(data_ptr: int, nbytes: int) -> bool:
-    """True if a storage may be copied after save() returns."""
+def any_safe() -> bool:
+    """True if some storage may be deferred (an optimizer stepped with staging on)."""
+    return _waiter is not None and len(_safe_storages) > 0
+
+
+def deferrable(storage: torch.UntypedStorage, nbytes: int) -> bool:
+    """True if `storage` may be copied after save() returns."""
     if _waiter is None or nbytes < MIN_DEFERRED_BYTES:
         return False
     with _lock:
-        return data_ptr in _safe_storages
+        return storage in _safe_storages
+
+
+def _tensors(obj: Any, path: tuple[Any, ...] = (), depth: int = 0,
+             seen: set[int] | None = None) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
+    """(key path, tensor) for every tensor reachable through dicts, lists and tuples."""
+    if isinstance(obj, torch.Tensor):
+        yield path, obj
+        return
+    if depth >= _MAX_DEPTH or not isinstance(obj, (dict, list, tuple)):
+        return
+    seen = set() if seen is None else seen
+    if id(obj) in seen:
+        return
+    seen.add(id(obj))
+    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
+    for k, v in items:
+        yield from _tensors(v, path + (k,), depth + 1, seen)
+
+
+def key_path(obj: Any, tensor: torch.Tensor) -> str:
+    """Where `tensor` is in `obj`, as dotted keys (``state.0.exp_avg``)."""
+    for path, t in _tensors(obj):
+        if t is tensor:
+            return ".".join(str(k) for k in path) or "<the object itself>"
+    return "<a tensor inside the object>"
+
+
+class Watch:
+    """The deferred storages of one saved object and the tensors that view them, as
+    they were at save() (found by nebulite._plan.walk): what the barrier checks before
+    the object may be committed. Keeps the object alive until then."""
+
+    def __init__(self, obj: Any = None, structure: Any = None) -> None:
+        self._obj = obj
+        # id(storage) -> [(tensor, _version at save)] for tensors found in the object
+        self._views: dict[int, list[tuple[torch.Tensor, int]]] = (
+            structure.views if structure is not None and any_safe() else {})
+        self.deferred: list[tuple[torch.UntypedStorage, list[tuple[torch.Tensor, int]]]] = []
+
+    def defer(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
+        """True (and recorded) if `storage` is copied after save() returns: it is safe and
+        the saved object's own tensors on it are known, so that a change shows."""
+        views = self._views.get(id(storage))
+        if not views or not deferrable(storage, nbytes):
+            return False
+        self.deferred.append((storage, views))
+        return True
+
+    def changed(self) -> str | None:
+        """Why the deferred bytes may not be the ones at save() (None if they are)."""
+        for storage, views in self.deferred:
+            for t, version in views:
+                if t._version != version:
+                    return f"tensor {key_path(self._obj, t)!r} was changed in place"
+                if t.untyped_storage() is not storage:
+                    return f"tensor {key_path(self._obj, t)!r} was given another storage"
+        return None

@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from . import _core, _dist, _staging, _waiting
+from . import _core, _dist, _pinned, _staging, _waiting
 from ._save_dir import Placeholders
 from ._config import Config, is_store_url, parse_path, parse_seconds, read_threads, store_exists
 from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
@@ -39,6 +39,7 @@ from .errors import (
     StorageFullPersistError,
     StoreInUseError,
     TagMismatchError,
+    TornCheckpointError,
 )
 
 log = logging.getLogger("nebulite")
@@ -182,6 +183,7 @@ class _Session:
             else:
                 self.engine = self._open_embedded(config)
             self._finish_init()
+            self.pin_memory_if_cuda()
         except BaseException:
             self._release_lease()
             raise
@@ -209,7 +211,27 @@ class _Session:
         self.engine = self._fall_back(AgentLostError(lost._lost))
         self.open.clear()
         self.pending.clear()
+        self.held_commits.clear()
         self._shared_memory = None
+
+    def pin_memory_if_cuda(self) -> bool:
+        """Registers the memory tier with CUDA when this process uses CUDA (see
+        nebulite._pinned); True if it is pinned."""
+        if not _pinned.cuda_in_use():
+            return False
+        return self.pinned_range().ensure()
+
+    def pinned_range(self) -> _pinned.PinnedRange:
+        """The memory tier as this process maps it (registered with CUDA or not)."""
+        pinned = getattr(self.engine, "pinned", None)
+        if pinned is None:  # the embedded engine
+            pinned = self._embedded_pinned = getattr(self, "_embedded_pinned", None) or \
+                _pinned.PinnedRange(self.engine.arena_address, self.engine.memory_capacity)
+        return pinned
+
+    def release_pinned(self) -> None:
+        if isinstance(self.engine, _core.Engine) and getattr(self, "_embedded_pinned", None):
+            self._embedded_pinned.release()  # the agent's client releases its own mapping
 
     def _open_embedded(self, config: Config) -> Any:
         return _core.Engine.open(
@@ -229,7 +251,12 @@ class _Session:
     def _finish_init(self) -> None:
         self._shared_memory: bool | None = None
         self._run_lock: Any = None
-        self.pending: list[Any] = []  # record sets whose deferred copies may be running
+        # Asynchronous staging (see wait_staged): the objects whose deferred copies may be
+        # running, (tag, version, name, records), which keep their sources alive; the
+        # commits, (tag, version, seq, persist), that wait for them; torn checkpoints.
+        self.pending: list[tuple[str, str, str, Any]] = []
+        self.held_commits: list[tuple[str, str, int, bool]] = []
+        self.staging_errors: list[tuple[str, str]] = []
         self.open: dict[str, _OpenVersion] = {}
         self.placeholders = Placeholders()  # DeepSpeed's files in its save_dir
         self.deepspeed_loaded: set[tuple[str, str]] = set()  # versions DeepSpeed loaded
@@ -290,9 +317,11 @@ class _Session:
         """Drains pending persistence (for at most the commit timeout), then lets the
         run's lock and the store's writer lease go."""
         try:
+            self.wait_staged()
             if self.root and isinstance(self.engine, _core.Engine):  # an agent goes on alone
                 _waiting.wait_written(self.engine, self.config.commit_timeout, self.root,
                                       "shutdown")
+            self.release_pinned()  # before the engine unmaps its arena
             self.engine.close(self.config.commit_timeout)
             self.replace_placeholders(gone=True)
         finally:
@@ -327,13 +356,50 @@ class _Session:
         return None
 
     def wait_staged(self) -> None:
-        """Blocks until deferred copies have landed, then lets their sources go."""
-        if self.pending:
+        """The barrier of asynchronous staging (the optimizer's step pre-hook runs it, and
+        every call that reads or commits): waits until the deferred copies landed, fails
+        each checkpoint a deferred tensor of which changed since save() (it is abandoned,
+        never committed, and a TornCheckpointError waits in staging_errors for the next
+        call), commits the others whose commit waited, and lets the sources go."""
+        if not self.pending and not self.held_commits:
+            return
+        pending, self.pending = self.pending, []
+        held, self.held_commits = self.held_commits, []
+        try:
             self.engine.wait_staged()
-            self.pending.clear()
+        except BaseException:
+            for tag, version, _, _ in held:
+                self.engine.abandon(tag, version)
+            raise
+        torn: dict[tuple[str, str], str] = {}
+        for tag, version, name, records in pending:
+            why = records.watch.changed()
+            if why is not None and (tag, version) not in torn:
+                torn[(tag, version)] = (
+                    f"checkpoint {tag!r} ({version}) is torn and was not committed: in object "
+                    f"{name!r}, {why} after save() and before its bytes were copied (with "
+                    "async_staging, change saved tensors only through optimizer.step(), or "
+                    "call nebulite.wait_staged() first)")
+        for (tag, version), why in torn.items():
+            self.engine.abandon(tag, version)
+            if tag in self.open and self.open[tag].version == version:
+                del self.open[tag]
+            self.placeholders.abandoned(tag)
+            log.error("nebulite: %s", why)
+            self.staging_errors.append(("Torn", why))
+        for tag, version, seq, persist in held:
+            if (tag, version) not in torn:
+                self.engine.commit(tag, version, seq, persist)
+                self.placeholders.committed(tag, version, self.rank)
+
+    def waits_for_staging(self, tag: str, version: str) -> bool:
+        """True if committing (tag, version) must wait for the barrier: deferred copies of
+        it may be running, or earlier commits wait (commits keep their order)."""
+        return bool(self.held_commits) or any((t, v) == (tag, version) for t, v, _, _ in self.pending)
 
     def take_background_errors(self) -> list[tuple[str, str]]:
-        return [(str(c), str(m)) for c, m in self.engine.take_errors()]
+        torn, self.staging_errors = self.staging_errors, []
+        return torn + [(str(c), str(m)) for c, m in self.engine.take_errors()]
 
     def raise_background_errors(self) -> None:
         """Raises what failed in the background on this rank. With several coordinated
@@ -366,6 +432,8 @@ def _newest_claimed_seq(root: str) -> int:
 def _raise_persist_errors(errors: list[tuple[str, str]]) -> None:
     if not errors:
         return
+    if all(c == "Torn" for c, _ in errors):
+        raise TornCheckpointError("; ".join(msg for _, msg in errors), errors)
     text = "; ".join(f"{code}: {msg}" for code, msg in errors)
     cls = StorageFullPersistError if any(c == "NoSpace" for c, _ in errors) else PersistError
     raise cls(f"background persistence failed: {text}", errors)
@@ -432,7 +500,14 @@ def _open(config: Config) -> None:
             _staging.disable()
         _session = _Session(config)
         if config.async_staging:
-            _staging.enable(_session.wait_staged)
+            _staging.enable(_barrier)
+
+
+def _barrier() -> None:
+    """What the optimizer's step pre-hook runs with async_staging (see nebulite._staging)."""
+    with _lock:
+        if _session is not None:
+            _session.wait_staged()
 
 
 def _config() -> Config | None:
@@ -548,10 +623,11 @@ class Checkpoint:
                 v = s.new_version(self.tag)
             if name in v.names:
                 raise InvalidArgumentError(f"{name!r} was already saved in checkpoint {self.tag!r}")
+            s.pin_memory_if_cuda()  # once, when this process has started using CUDA
             try:
                 records = flatten(obj, tag=self.tag, name=name, rank=s.rank, version=v.version)
                 if records.deferred:
-                    s.pending.append(records)  # the sources stay alive until staged
+                    s.pending.append((self.tag, v.version, name, records))  # kept alive until staged
                 # With an interval of 0 every checkpoint is persisted: start writing now,
                 # unless more objects of this checkpoint follow (num_files): writing would
                 # compete with staging them for cores and memory bandwidth and lengthen the
@@ -580,7 +656,9 @@ class Checkpoint:
     def commit(self) -> bool:
         """Completes the checkpoint. Returns True once it is committed (in memory at
         once; in the store in the background when it is due to be persisted). With several
-        ranks every rank calls it: a background error of any rank is raised by all."""
+        ranks every rank calls it: a background error of any rank is raised by all. With
+        async_staging, a checkpoint whose copies are still running is committed by the
+        barrier that follows them (see nebulite._staging), or, torn, never."""
         with _lock:
             s = _require_session()
             s.raise_background_errors_together()
@@ -645,8 +723,12 @@ class Checkpoint:
             due_all, must, seq = int(due), must_here, s.seq + 1
         persist = bool(s.root) and bool(due_all or must)
         s.seq = max(s.seq, seq)
-        s.engine.commit(self.tag, v.version, seq, persist)
-        s.placeholders.committed(self.tag, v.version, s.rank)
+        if s.waits_for_staging(self.tag, v.version):
+            # Committed by the barrier once its deferred copies landed unchanged.
+            s.held_commits.append((self.tag, v.version, seq, persist))
+        else:
+            s.engine.commit(self.tag, v.version, seq, persist)
+            s.placeholders.committed(self.tag, v.version, s.rank)
         if persist:
             s.last_persist = now
         del s.open[self.tag]
@@ -942,6 +1024,7 @@ def _candidates(persist_path: str | os.PathLike[str] | None) -> list[dict[str, A
     s = _session
     if s is not None:
         s.fall_back_if_agent_lost()
+        s.wait_staged()
     root = _resolve_root(persist_path)
     out: list[dict[str, Any]] = []
     memory_keys: dict[tuple[str, str], dict[str, Any]] = {}
@@ -1122,6 +1205,8 @@ def get_latest_checkpoint_path(name: str, persist_path: str | os.PathLike[str] |
     with _lock:
         s, root = _session, _resolve_root(persist_path)
     if s is not None and s.root is not None and s.root == root:
+        with _lock:
+            s.wait_staged()
         s.engine.flush(s.config.commit_timeout)
         s.raise_background_errors()
     with _lock:
@@ -1146,6 +1231,7 @@ def flush_persistence(timeout: float | None = None) -> None:
         timeout = parse_seconds("timeout", timeout)
     with _lock:
         s = _require_session()
+        s.wait_staged()
         if not s.root:
             s.raise_background_errors()
             return
@@ -1173,6 +1259,7 @@ def _persist_versions(wanted: Iterable[tuple[str, str]]) -> None:
     wanted = set(wanted)
     with _lock:
         s = _require_session()
+        s.wait_staged()
         if not s.root or not wanted:
             return
         for v in s.engine.versions():
@@ -1185,15 +1272,21 @@ def _persist_versions(wanted: Iterable[tuple[str, str]]) -> None:
 def wait_staged() -> None:
     """Blocks until every save's bytes are in the memory tier. Only needed with
     ``async_staging=True`` before changing saved tensors other than through
-    ``optimizer.step()`` (which waits by itself)."""
+    ``optimizer.step()`` (which waits by itself). Raises TornCheckpointError for each
+    checkpoint that a deferred tensor changed under (see nebulite._staging)."""
     with _lock:
         if _session is not None:
             _session.wait_staged()
+            torn, _session.staging_errors = _session.staging_errors, []
+            _raise_persist_errors(torn)
 
 
 def history() -> list[dict[str, Any]]:
     """The rows this process added to checkpointHistories.csv (also without a store)."""
-    return list(_require_session().engine.history())
+    with _lock:
+        s = _require_session()
+        s.wait_staged()
+        return list(s.engine.history())
 
 
 def shutdown() -> None:
@@ -1215,6 +1308,7 @@ def session_info() -> dict[str, Any]:
         "memory_capacity": s.engine.memory_capacity,
         "memory_used": s.engine.memory_used,
         "memory_resident": s.engine.memory_resident,
+        "memory_pinned": s.pinned_range().pinned,  # registered with CUDA (nebulite._pinned)
         "run_id": s.run_id,
         "agent_pid": getattr(s.engine, "agent_pid", None),  # None: the engine is embedded
     }

@@ -85,5 +85,12 @@ class PersistError(NebuliteError):
         self.causes = causes or []
 
 
+class TornCheckpointError(PersistError):
+    """With asynchronous staging, a saved tensor changed in place between ``save()`` and
+    the copy of its bytes (outside ``optimizer.step()``, or without ``wait_staged()``
+    first). The message names the checkpoint, the object and the tensor's key path; the
+    checkpoint is never committed, and the previous one stays the latest."""
+
+
 class StorageFullPersistError(PersistError, StorageFullError):
     """Background persistence failed because the persistent store is full."""

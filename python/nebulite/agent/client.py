@@ -25,7 +25,7 @@ import time
 import warnings
 from typing import Any
 
-from .. import _core, errors
+from .. import _core, _pinned, errors
 from . import protocol
 
 log = logging.getLogger("nebulite.agent")
@@ -289,6 +289,8 @@ class AgentEngine:
                               mmap.PROT_READ | mmap.PROT_WRITE)
         os.close(fd)
         self._base = ctypes.addressof(ctypes.c_char.from_buffer(self._map))
+        # Registered with CUDA by the session when this process uses it (nebulite._pinned).
+        self.pinned = _pinned.PinnedRange(self._base, self.memory_capacity)
 
     @property
     def lost(self) -> bool:
@@ -524,6 +526,7 @@ class AgentEngine:
             self._detach()
 
     def _detach(self) -> None:
+        self.pinned.release()  # before the mapping goes
         try:
             with self._lock:
                 if self._lost is None:

@@ -1,0 +1,140 @@
+"""Asynchronous staging on the CPU: how long save() blocks, side by side with DCP, one run.
+
+    python benchmarks/bench_async_staging.py                      # gpt2-124m and syn-256m, 5 reps
+    python benchmarks/bench_async_staging.py --workloads syn-1g --reps 9 --dir /mnt/nvme
+    python benchmarks/bench_async_staging.py --smoke               # tiny states, seconds
+
+For each workload (benchmarks/suite/workloads.py: the same state for both), in one process:
+- DCP: ``torch.distributed.checkpoint.async_save`` with its cached asynchronous stager
+  (``DefaultStager(StagingOptions(use_pinned_memory=cuda, use_shared_memory=True,
+  use_async_staging=True))``, kept across saves: DCP's fastest configuration);
+- nebulite: ``init(async_staging=True)``, embedded engine, every object of the state saved
+  into one checkpoint.
+Printed per candidate: the median *blocking* time (until the save call returns) and the
+median time *until staged* (DCP: its staging future; nebulite: ``wait_staged()``, what the
+next optimizer step waits for), and nebulite's blocking time as a fraction of DCP's
+(target: at most 1/10). The first save of each candidate warms its memory and is left
+out of the medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+
+import torch  # noqa: E402
+
+from suite import workloads  # noqa: E402
+
+SMOKE = ["syn-tiny", "gpt2-tiny"]
+DEFAULT = ["gpt2-124m", "syn-256m"]
+
+
+def bench_dcp(state: dict[str, Any], d: str, reps: int) -> list[dict[str, float]]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    warnings.filterwarnings("ignore", module=r"torch\.distributed")
+    stager = DefaultStager(StagingOptions(torch.cuda.is_available(), True, True, False))
+    out = []
+    try:
+        for i in range(reps + 1):
+            path = os.path.join(d, f"dcp-{i}")
+            t0 = time.perf_counter()
+            f = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
+            t1 = time.perf_counter()
+            f.staging_completion.result()
+            t2 = time.perf_counter()
+            f.upload_completion.result()
+            shutil.rmtree(path, ignore_errors=True)
+            if i:
+                out.append({"blocking_s": t1 - t0, "staged_s": t2 - t0})
+    finally:
+        stager.close()
+    return out
+
+
+def bench_nebulite(state: dict[str, Any], opt: torch.optim.Optimizer, d: str,
+                   reps: int) -> list[dict[str, float]]:
+    import nebulite as nm
+
+    nbytes = workloads.state_bytes(state)
+    nm.init(os.path.join(d, "nebulite"), persistent_time_interval=0, num_of_version_in_retention=1,
+            memory_buffer_size=max(64 << 20, 3 * nbytes), agent=False, async_staging=True)
+    try:
+        opt.step()  # no gradients: nothing changes; nebulite learns the optimizer's storages
+        engine = nm.api._session.engine  # type: ignore[union-attr]
+        engine.wait_prefaulted()
+        out = []
+        for i in range(reps + 1):
+            t0 = time.perf_counter()
+            ck = nm.Checkpoint(f"bench{i}", num_files=len(state))
+            for name, obj in state.items():
+                ck.save(name, obj)
+            t1 = time.perf_counter()
+            nm.wait_staged()  # what an optimizer step right after the save waits for
+            t2 = time.perf_counter()
+            nm.flush_persistence()
+            if i:
+                out.append({"blocking_s": t1 - t0, "staged_s": t2 - t0})
+        return out
+    finally:
+        nm.shutdown()
+
+
+def _median(runs: list[dict[str, float]], key: str) -> float:
+    return statistics.median(r[key] for r in runs)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workloads", default=",".join(DEFAULT))
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--dir", default=None, help="where both write (default: a temporary directory)")
+    ap.add_argument("--smoke", action="store_true", help="tiny states, 2 reps")
+    ap.add_argument("--json", default=None, help="also write the figures to this file")
+    args = ap.parse_args()
+    names = SMOKE if args.smoke else args.workloads.split(",")
+    reps = 2 if args.smoke else args.reps
+    base = tempfile.mkdtemp(prefix="nebulite-bench-async-", dir=args.dir)
+    results: dict[str, Any] = {}
+    try:
+        for name in names:
+            state, opt = workloads.build(name)
+            d = os.path.join(base, name)
+            os.makedirs(d)
+            results[name] = {
+                "bytes": workloads.state_bytes(state),
+                "tensors": len(workloads.tensors(state)),
+                "dcp": bench_dcp(state, d, reps),
+                "nebulite": bench_nebulite(state, opt, d, reps),
+            }
+            del state, opt
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    print(f"{'workload':<12} {'MiB':>7} {'tensors':>7} | {'blocking DCP':>12} {'nebulite':>9} "
+          f"{'ratio':>6} (target <= 0.10) | {'staged DCP':>10} {'nebulite':>9}")
+    for name, r in results.items():
+        dcp_b, neb_b = _median(r["dcp"], "blocking_s"), _median(r["nebulite"], "blocking_s")
+        dcp_s, neb_s = _median(r["dcp"], "staged_s"), _median(r["nebulite"], "staged_s")
+        r["blocking_ratio"] = neb_b / dcp_b if dcp_b > 0 else float("inf")
+        print(f"{name:<12} {r['bytes'] / 2**20:7.1f} {r['tensors']:7d} | {dcp_b:11.4f}s "
+              f"{neb_b:8.4f}s {r['blocking_ratio']:6.3f}                 | {dcp_s:9.4f}s {neb_s:8.4f}s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

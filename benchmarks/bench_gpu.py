@@ -1,0 +1,200 @@
+"""Checkpointing CUDA state: nebulite beside plain copies, torch.save and DCP, one run.
+
+    python benchmarks/bench_gpu.py                 # 10 GB state, every figure (needs a GPU)
+    python benchmarks/bench_gpu.py --gb 1 --steps 20
+
+Figures, side by side:
+- D2H bandwidth: a blocking nebulite save of the state (from device memory to the memory
+  tier) against a plain ``pinned.copy_(cuda, non_blocking=True)`` of the same bytes into
+  pinned host memory (target: nebulite >= 90% of it);
+- host time per save with ``async_staging=True`` (target: <= 1 ms per object), and
+  until staged;
+- ``torch.save`` to a file and DCP ``async_save`` with its pinned, cached async stager:
+  blocking time per save of the same state;
+- a training step with a checkpoint every step against none (target: >= 95%).
+Without CUDA it says so and exits with status 0: there is nothing to measure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from typing import Any
+
+import torch
+
+GB = 1e9
+
+
+def cuda_state(nbytes: int, tensors: int) -> dict[str, torch.Tensor]:
+    per = max(1, nbytes // tensors // 4)
+    return {f"t{i}": torch.randn(per, device="cuda") for i in range(tensors)}
+
+
+def _sync() -> None:
+    torch.cuda.synchronize()
+
+
+def pinned_copy_bandwidth(state: dict[str, torch.Tensor]) -> float:
+    host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
+    for _ in range(2):
+        _sync()
+        t0 = time.perf_counter()
+        for k, v in state.items():
+            host[k].copy_(v, non_blocking=True)
+        _sync()
+        dt = time.perf_counter() - t0
+    nbytes = sum(v.nbytes for v in state.values())
+    del host
+    return nbytes / dt
+
+
+def nebulite_saves(state: dict[str, torch.Tensor], d: str, async_staging: bool,
+                   reps: int) -> dict[str, float]:
+    import nebulite as nm
+
+    nbytes = sum(v.nbytes for v in state.values())
+    nm.init(os.path.join(d, f"nebulite-{int(async_staging)}"), persistent_time_interval=3600,
+            memory_buffer_size=int(nbytes * 2.2), agent=False, async_staging=async_staging)
+    try:
+        nm.api._session.engine.wait_prefaulted()  # type: ignore[union-attr]
+        blocking, staged = [], []
+        for i in range(reps + 1):
+            _sync()
+            t0 = time.perf_counter()
+            nm.Checkpoint(f"s{i}").save("state", state)
+            t1 = time.perf_counter()
+            nm.wait_staged()
+            _sync()
+            t2 = time.perf_counter()
+            if i:
+                blocking.append(t1 - t0)
+                staged.append(t2 - t0)
+        return {"blocking_s": statistics.median(blocking), "staged_s": statistics.median(staged),
+                "bandwidth": nbytes / statistics.median(staged),
+                "pinned": bool(nm.session_info()["memory_pinned"])}
+    finally:
+        nm.shutdown()
+
+
+def torch_save(state: dict[str, torch.Tensor], d: str) -> float:
+    path = os.path.join(d, "torch.pt")
+    _sync()
+    t0 = time.perf_counter()
+    torch.save(state, path)
+    dt = time.perf_counter() - t0
+    os.remove(path)
+    return dt
+
+
+def dcp_async(state: dict[str, torch.Tensor], d: str, reps: int) -> dict[str, float]:
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+    warnings.filterwarnings("ignore", module=r"torch\.distributed")
+    stager = DefaultStager(StagingOptions(True, True, True, False))
+    blocking, staged = [], []
+    try:
+        for i in range(reps + 1):
+            path = os.path.join(d, f"dcp-{i}")
+            _sync()
+            t0 = time.perf_counter()
+            f = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
+            t1 = time.perf_counter()
+            f.staging_completion.result()
+            t2 = time.perf_counter()
+            f.upload_completion.result()
+            shutil.rmtree(path, ignore_errors=True)
+            if i:
+                blocking.append(t1 - t0)
+                staged.append(t2 - t0)
+    finally:
+        stager.close()
+    return {"blocking_s": statistics.median(blocking), "staged_s": statistics.median(staged)}
+
+
+def step_times(d: str, steps: int) -> dict[str, float]:
+    """A step of a small transformer with and without an async checkpoint every step."""
+    import nebulite as nm
+
+    torch.manual_seed(0)
+    layer = torch.nn.TransformerEncoderLayer(1024, 16, 4096, batch_first=True)
+    model = torch.nn.TransformerEncoder(layer, 8).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    x = torch.randn(16, 256, 1024, device="cuda")
+
+    def run(checkpoint: bool) -> float:
+        times = []
+        for i in range(steps + 3):
+            _sync()
+            t0 = time.perf_counter()
+            model(x).square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if checkpoint:
+                ck = nm.Checkpoint(f"step{i}", 2)
+                ck.save("model", model.state_dict())
+                ck.save("optimizer", opt.state_dict())
+            _sync()
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        return statistics.median(times)
+
+    nm.init(os.path.join(d, "train"), persistent_time_interval=3600, num_of_version_in_retention=1,
+            agent=False, async_staging=True)
+    try:
+        none = run(False)
+        every = run(True)
+    finally:
+        nm.shutdown()
+    return {"none_s": none, "every_step_s": every}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--gb", type=float, default=10.0, help="state size in GB")
+    ap.add_argument("--tensors", type=int, default=100)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=10)
+    ap.add_argument("--dir", default=None)
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_gpu: no CUDA device: nothing to measure")
+        return
+    base = tempfile.mkdtemp(prefix="nebulite-bench-gpu-", dir=args.dir)
+    out: dict[str, Any] = {}
+    try:
+        state = cuda_state(int(args.gb * GB), args.tensors)
+        nbytes = sum(v.nbytes for v in state.values())
+        print(f"state: {nbytes / GB:.2f} GB in {len(state)} CUDA tensors, {torch.cuda.get_device_name()}")
+        out["pinned_copy"] = pinned_copy_bandwidth(state)
+        out["blocking"] = nebulite_saves(state, base, False, args.reps)
+        out["async"] = nebulite_saves(state, base, True, args.reps)
+        out["dcp"] = dcp_async(state, base, args.reps)
+        out["torch.save"] = torch_save(state, base)
+        del state
+        torch.cuda.empty_cache()
+        out["train"] = step_times(base, args.steps)
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+    b, a = out["blocking"], out["async"]
+    print(f"D2H bandwidth: nebulite blocking save {b['bandwidth'] / GB:.2f} GB/s (memory tier "
+          f"pinned: {b['pinned']}), plain pinned copy_ {out['pinned_copy'] / GB:.2f} GB/s: "
+          f"{100 * b['bandwidth'] / out['pinned_copy']:.0f}% (target >= 90%)")
+    print(f"blocking per save: nebulite {b['blocking_s']:.4f} s, nebulite async {a['blocking_s']:.4f} s "
+          f"(target <= 0.001 s per object), DCP async_save (pinned async stager) "
+          f"{out['dcp']['blocking_s']:.4f} s, torch.save {out['torch.save']:.4f} s")
+    print(f"until staged: nebulite async {a['staged_s']:.4f} s, DCP {out['dcp']['staged_s']:.4f} s")
+    t = out["train"]
+    print(f"training step: none {t['none_s']:.4f} s, checkpoint every step {t['every_step_s']:.4f} s: "
+          f"{100 * t['none_s'] / t['every_step_s']:.0f}% (target >= 95%)")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

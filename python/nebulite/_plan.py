@@ -1,0 +1,151 @@
+"""The structure of a saved object, found in one walk, and the flattenings it lets us reuse.
+
+Flattening an object through torch's serializer pickles every value with a Python
+callback per object: tens of milliseconds for a GPT-2 state and its optimizer's. Saves
+of one training run save objects of the same structure again and again; only the bytes
+of their tensors differ. `walk()` visits an object once and returns its *key* (every
+container's type and size, every key and leaf value with its type, and for each tensor
+its type, dtype, shape, strides, offset, requires_grad and which of the object's storages
+it views), its distinct storages in the order they were met, and each storage's tensors
+with their ``_version`` counters (what asynchronous staging checks, see nebulite._staging).
+An object whose key equals the one its name had last time pickles to the same skeleton
+(``data.pkl``), so the skeleton and the record layout are reused and only the storages'
+addresses are taken afresh.
+
+Only objects made of dicts, lists, tuples, plain scalars and plain CPU tensors have a key;
+anything else (a custom class, a tensor subclass, a tensor with hooks or attributes of its
+own, a quantized, conjugate or negative-bit tensor, a CUDA tensor) is flattened by torch's
+serializer every time.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+#: How deep containers are followed; deeper objects have no key.
+MAX_DEPTH = 64
+#: Names whose plan is kept (the newest ones).
+MAX_PLANS = 64
+
+Tensor, Parameter, strided = torch.Tensor, torch.nn.Parameter, torch.strided
+OrderedDict, NoneType = collections.OrderedDict, type(None)
+
+
+class _NoKey(Exception):
+    pass
+
+
+@dataclass
+class Structure:
+    """What one walk of a saved object found."""
+
+    key: tuple[Any, ...] | None
+    storages: list[torch.UntypedStorage] = field(default_factory=list)
+    # id(storage) -> [(tensor, its _version at save)], for every tensor met in the walk
+    views: dict[int, list[tuple[torch.Tensor, int]]] = field(default_factory=dict)
+
+
+def walk(obj: Any) -> Structure:
+    out: list[Any] = []
+    put = out.append
+    storages: dict[torch.UntypedStorage, int] = {}
+    views: dict[int, list[tuple[torch.Tensor, int]]] = {}
+    sizes: list[int] = []  # of each storage
+    seen: dict[int, int] = {}  # id of a container or tensor met already -> its order
+    keyed = True
+
+    def visit(x: Any, depth: int) -> None:
+        nonlocal keyed
+        t = type(x)
+        if t is Tensor or t is Parameter or isinstance(x, Tensor):  # the most frequent first
+            if id(x) in seen:  # the pickler writes a reference to it
+                put(("again", seen[id(x)]))
+                return
+            seen[id(x)] = len(seen)
+            if x.layout is not strided or x.is_meta:
+                keyed = False
+                return
+            s = x.untyped_storage()
+            j = storages.get(s)
+            if j is None:
+                j = storages[s] = len(storages)
+                sizes.append(s.nbytes())
+                views[id(s)] = []
+            views[id(s)].append((x, x._version))
+            if (t is not Tensor and t is not Parameter) or not x.is_cpu or x.__dict__ \
+                    or x._backward_hooks or x.is_quantized or x.is_conj() or x.is_neg():
+                keyed = False
+                return
+            put((t, x.dtype, x.shape, x.stride(), x.storage_offset(), x.requires_grad, j,
+                 sizes[j]))
+            return
+        if t is str or t is int or t is bool or t is NoneType or t is bytes:
+            put(t)
+            put(x)
+            return
+        if t is float:
+            put(t)
+            put(x.hex())  # -0.0 and 0.0 pickle differently; NaN never equals itself
+            return
+        if (t is dict or t is OrderedDict or t is list or t is tuple) and depth < MAX_DEPTH:
+            if id(x) in seen:
+                put(("again", seen[id(x)]))
+                return
+            seen[id(x)] = len(seen)
+            put(t)
+            put(len(x))
+            if t is dict or t is OrderedDict:
+                for k, v in x.items():
+                    visit(k, depth + 1)
+                    visit(v, depth + 1)
+            else:
+                for v in x:
+                    visit(v, depth + 1)
+            return
+        keyed = False  # anything else: its own reduction decides what is pickled
+
+    visit(obj, 0)
+    return Structure(tuple(out) if keyed else None, list(storages), views)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A reusable flattening: the records in order, each either fixed bytes or the
+    storage with that walk order (`None` marks the records made afresh each save)."""
+
+    key: tuple[Any, ...]
+    # (record name, bytes, None) or (record name, None, storage index, size)
+    records: tuple[tuple[Any, ...], ...]
+
+
+_lock = threading.Lock()
+_plans: collections.OrderedDict[str, Plan] = collections.OrderedDict()
+
+
+def find(name: str, key: tuple[Any, ...] | None) -> Plan | None:
+    if key is None:
+        return None
+    with _lock:
+        plan = _plans.get(name)
+        if plan is None or plan.key != key:
+            return None
+        _plans.move_to_end(name)
+        return plan
+
+
+def keep(name: str, plan: Plan) -> None:
+    with _lock:
+        _plans[name] = plan
+        _plans.move_to_end(name)
+        while len(_plans) > MAX_PLANS:
+            _plans.popitem(last=False)
+
+
+def forget() -> None:
+    with _lock:
+        _plans.clear()
