@@ -82,6 +82,8 @@ std::string TempDataFilePath(const std::string& tag, const std::string& version,
                              const std::string& name);
 std::string ManifestPath(const std::string& tag, const std::string& version, uint32_t rank);
 std::string CommitMarkerPath(const std::string& tag, const std::string& version);
+// The history beside the tags (docs/format.md): a file, never a tag.
+inline constexpr const char* kHistoryFile = "checkpointHistories.csv";
 
 Status WriteManifest(Storage* storage, const Manifest& m);
 Result<Manifest> ReadManifest(Storage* storage, const std::string& tag, const std::string& version,

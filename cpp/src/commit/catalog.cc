@@ -30,7 +30,7 @@ Result<Catalog> ReadCatalog(Storage* storage) {
     for (const std::string& version : *versions) {
       if (!ValidateVersionName(version).ok()) continue;
       const std::string marker = CommitMarkerPath(tag, version);
-      Result<FileInfo> info = storage->Stat(marker);
+      Result<FileInfo> info = storage->StatFile(marker);
       if (!info.ok()) {
         if (info.status().code() == StatusCode::kNotFound) continue;  // not committed
         catalog.warnings.push_back("skipping " + marker + ": " + info.status().ToString());

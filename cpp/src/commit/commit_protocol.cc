@@ -76,7 +76,7 @@ Status CheckFilesExist(Storage* storage, const Manifest& m) {
 
 Result<FileInfo> CheckDataFilePresent(Storage* storage, const std::string& path,
                                       const ManifestFile& f) {
-  Result<FileInfo> info = storage->Stat(path);
+  Result<FileInfo> info = storage->StatFile(path);
   if (!info.ok()) {
     if (info.status().code() == StatusCode::kNotFound) {
       return Status::Corruption("data file '" + path + "' is missing");
@@ -93,7 +93,13 @@ Result<FileInfo> CheckDataFilePresent(Storage* storage, const std::string& path,
   return info;
 }
 
-Status ValidateTag(const std::string& tag) { return ValidateStoreName(tag, "tag"); }
+Status ValidateTag(const std::string& tag) {
+  NEBULITE_RETURN_IF_ERROR(ValidateStoreName(tag, "tag"));
+  if (tag == kHistoryFile) {
+    return Status::InvalidArgument("tag '" + tag + "' is the name of the store's history file");
+  }
+  return Status::OK();
+}
 Status ValidateVersionName(const std::string& version) {
   return ValidateStoreName(version, "version");
 }
@@ -170,7 +176,7 @@ Result<bool> AllManifestsPresent(Storage* storage, const std::string& tag,
                                  const std::string& version, uint32_t world_size) {
   NEBULITE_RETURN_IF_ERROR(ValidateIds(tag, version));
   for (uint32_t r = 0; r < world_size; ++r) {
-    NEBULITE_ASSIGN_OR_RETURN(bool exists, storage->Exists(ManifestPath(tag, version, r)));
+    NEBULITE_ASSIGN_OR_RETURN(bool exists, storage->FileExists(ManifestPath(tag, version, r)));
     if (!exists) return false;
   }
   return true;

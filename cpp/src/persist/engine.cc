@@ -411,9 +411,9 @@ class EngineImpl : public Engine {
   // committed too; between the two deletions the next look decides.
   bool CommittedOrRetired(const std::string& tag, const std::string& version) {
     Storage* s = core_->storage.get();
-    auto marker = s->Exists(CommitMarkerPath(tag, version));
+    auto marker = s->FileExists(CommitMarkerPath(tag, version));
     if (marker.ok() && *marker) return true;
-    auto manifest = s->Exists(ManifestPath(tag, version, core_->opts.rank));
+    auto manifest = s->FileExists(ManifestPath(tag, version, core_->opts.rank));
     return manifest.ok() && !*manifest;
   }
 

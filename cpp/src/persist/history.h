@@ -13,12 +13,12 @@
 #include <string>
 #include <vector>
 
+#include "nebulite/commit.h"  // kHistoryFile
 #include "nebulite/engine.h"
 #include "nebulite/storage.h"
 
 namespace nebulite {
 
-inline constexpr const char* kHistoryFile = "checkpointHistories.csv";
 inline constexpr size_t kHistoryRowsKept = 10000;  // in memory; the file keeps them all
 
 // A wall-clock time as the CSV's time_utc column writes it: 2026-12-01T06:14:28.374Z.

@@ -47,7 +47,7 @@ Status Persister::CheckNotCommittedInStore(const std::shared_ptr<VersionState>& 
     tag = v->tag;
     version = v->version;
   }
-  NEBULITE_ASSIGN_OR_RETURN(bool committed, core_->storage->Exists(CommitMarkerPath(tag, version)));
+  NEBULITE_ASSIGN_OR_RETURN(bool committed, core_->storage->FileExists(CommitMarkerPath(tag, version)));
   if (committed) {
     return Status::FailedPrecondition(
         "version " + version + " of checkpoint '" + tag +
