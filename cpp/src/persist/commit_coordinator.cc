@@ -47,6 +47,7 @@ Status CommitCoordinator::CommitNow(const std::shared_ptr<VersionState>& v) {
       retention = r.status();
     }
   }
+  core_->history.Flush();  // the version's rows, in one write
   std::lock_guard<std::mutex> lock(core_->mu);
   if (!retention.ok()) core_->ReportLocked(retention.WithContext("retention"));
   v->store_committed = true;

@@ -355,6 +355,7 @@ class EngineImpl : public Engine {
     std::vector<HistoryRow> rows;
     Status st = CommitLocked(tag, version, seq, persist, &rows);
     for (const HistoryRow& r : rows) core_->history.Append(r);  // the store, outside the lock
+    core_->history.Flush();
     return st;
   }
 
@@ -595,6 +596,7 @@ class EngineImpl : public Engine {
     core_->stager->Stop(deadline);
     if (core_->persister) core_->persister->Stop(deadline);
     if (core_->coordinator) core_->coordinator->Stop(deadline);
+    core_->history.Flush();
     return st;
   }
 

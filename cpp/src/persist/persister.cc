@@ -82,6 +82,7 @@ void Persister::Fail(const std::shared_ptr<VersionState>& v, const Status& st,
     core_->changed.notify_all();
   }
   core_->history.Append(row);
+  core_->history.Flush();
   for (const std::string& path : doomed) (void)core_->storage->Delete(path);
 }
 
@@ -197,8 +198,11 @@ Status Persister::Finish(const std::shared_ptr<VersionState>& v) {
     v->persisted = true;
     if (core_->opts.world_size > 1) {
       if (core_->coordinator) core_->coordinator->AddLocked(v);
-      return Status::OK();
     }
+  }
+  if (core_->opts.world_size > 1) {
+    core_->history.Flush();  // this rank's rows; the coordinator writes the commit's
+    return Status::OK();
   }
   return core_->coordinator->CommitNow(v);
 }
