@@ -10,7 +10,8 @@
 //   3. the coordinator: WriteCommitMarker() once every manifest is present: it reads
 //      and checks them all, checks that every file they name exists with its size,
 //      records their CRCs, and writes COMMITTED the same way, last, under a sequence
-//      number claimed right before (ClaimCommitSeq).
+//      number claimed right before (ClaimCommitSeq). The coordinator's own manifest is
+//      checked from its memory, not read back (its files were complete before it).
 // A crash before step 3 completes leaves no marker, so the version stays invisible.
 #include <algorithm>
 #include <atomic>
@@ -235,7 +236,8 @@ Result<uint64_t> ClaimCommitSeq(Storage* storage, uint64_t at_least) {
   return seq;
 }
 
-Status WriteCommitMarker(Storage* storage, const CommitRecord& c) {
+Status WriteCommitMarker(Storage* storage, const CommitRecord& c,
+                         const std::map<uint32_t, std::string>& written) {
   NEBULITE_RETURN_IF_ERROR(ValidateIds(c.tag, c.version));
   if (c.world_size == 0) return Status::InvalidArgument("commit world_size must be at least 1");
   if (!c.manifest_crc32.empty() && c.manifest_crc32.size() != c.world_size) {
@@ -247,7 +249,9 @@ Status WriteCommitMarker(Storage* storage, const CommitRecord& c) {
   record.manifest_crc32.clear();
   for (uint32_t r = 0; r < c.world_size; ++r) {
     const std::string path = ManifestPath(c.tag, c.version, r);
-    Result<std::string> text = storage->ReadFile(path, kMaxManifestBytes);
+    const auto mine = written.find(r);
+    Result<std::string> text =
+        mine != written.end() ? mine->second : storage->ReadFile(path, kMaxManifestBytes);
     if (!text.ok()) {
       if (text.status().code() == StatusCode::kNotFound) {
         return Status::FailedPrecondition("cannot commit: manifest '" + path + "' is missing");
@@ -268,7 +272,9 @@ Status WriteCommitMarker(Storage* storage, const CommitRecord& c) {
                                 " does not match the checksum the coordinator expects");
     }
     // A marker must never vouch for a file that is not there.
-    NEBULITE_RETURN_IF_ERROR(CheckFilesExist(storage, *m).WithContext("cannot commit"));
+    if (mine == written.end()) {
+      NEBULITE_RETURN_IF_ERROR(CheckFilesExist(storage, *m).WithContext("cannot commit"));
+    }
     record.manifest_crc32.push_back(crc);
   }
   return storage->WriteFileAtomic(CommitMarkerPath(c.tag, c.version), EncodeCommitRecord(record));

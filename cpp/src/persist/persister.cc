@@ -196,6 +196,7 @@ Status Persister::Finish(const std::shared_ptr<VersionState>& v) {
   {
     std::lock_guard<std::mutex> lock(core_->mu);
     v->persisted = true;
+    v->manifest_written = EncodeManifest(m);
     if (core_->opts.world_size > 1) {
       if (core_->coordinator) core_->coordinator->AddLocked(v);
     }
