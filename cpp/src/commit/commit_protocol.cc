@@ -64,6 +64,18 @@ bool ParseSeqName(const std::string& name, uint64_t* seq) {
   return true;
 }
 
+// The unit of work of ReadDataFile for a file of `size` bytes: kReadPieceBytes. On an
+// object store each piece is a request, and a load has made two more to open the file
+// (its index at the end, its headers at the start, through the small-read blocks): a
+// file of 8 pieces or more is read in two pieces fewer, a little larger, so that a load
+// makes as many requests as a direct ranged read of the same payload.
+uint64_t ReadPieceBytes(const Storage& storage, uint64_t size) {
+  const uint64_t whole = size / kReadPieceBytes;
+  if (!storage.is_object_store() || whole < 8) return kReadPieceBytes;
+  const uint64_t bytes = (size + whole - 3) / (whole - 2);
+  return (bytes + 4095) / 4096 * 4096;
+}
+
 // Checks that every file `m` names exists as a regular file of its size.
 Status CheckFilesExist(Storage* storage, const Manifest& m) {
   for (const ManifestFile& f : m.files) {
@@ -342,13 +354,14 @@ Status ReadDataFile(Storage* storage, const std::string& path, const ManifestFil
                                    " bytes, its manifest says " + std::to_string(f.size));
   }
   NEBULITE_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, OpenDataFile(storage, path, f));
-  // Units of work of at most kReadPieceBytes, in file order.
+  // Units of work of at most `piece` bytes, in file order.
+  const uint64_t piece = ReadPieceBytes(*storage, f.size);
   std::vector<FileSpan> pieces;
   std::vector<size_t> span_of;  // the span each piece belongs to
   for (size_t k = 0; k < spans.size(); ++k) {
     const FileSpan& s = spans[k];
-    for (uint64_t off = 0; off < s.size; off += kReadPieceBytes) {
-      uint64_t n = std::min(kReadPieceBytes, s.size - off);
+    for (uint64_t off = 0; off < s.size; off += piece) {
+      uint64_t n = std::min(piece, s.size - off);
       pieces.push_back({s.offset + off, n, s.dst ? static_cast<uint8_t*>(s.dst) + off : nullptr});
       span_of.push_back(k);
     }
