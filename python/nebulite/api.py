@@ -489,7 +489,7 @@ def _validate(value: Any, what: str) -> str:
         raise InvalidArgumentError(
             f"{what} {value!r} is not valid UTF-8 (a lone surrogate at position {e.start})") from None
     if what == "tag":
-        _core.validate_tag(value)  # a path component not starting with '.'
+        _core.validate_tag(value)  # a path component: no leading '.', not the history file
     else:
         _core.validate_component(value, what)
     return value
