@@ -564,7 +564,7 @@ def _validate(value: Any, what: str) -> str:
         raise InvalidArgumentError(
             f"{what} {value!r} is not valid UTF-8 (a lone surrogate at position {e.start})") from None
     if what == "tag":
-        _core.validate_tag(value)  # a path component not starting with '.'
+        _core.validate_tag(value)  # a path component: no leading '.', not the history file
     else:
         _core.validate_component(value, what)
     return value
@@ -835,8 +835,13 @@ def _load_streamed(c: dict[str, Any], file: Any, map_location: Any, weights_only
                       map_location, weights_only)
 
 
-def _manifests(root: str, tag: str, version: str, world_size: int) -> list[dict[str, Any]]:
-    return [_core.read_manifest(root, tag, version, r) for r in range(world_size)]
+def _manifest(root: str, c: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Rank `rank`'s manifest of the committed version `c`, read once per catalog entry: a
+    committed version's manifests never change (a store request each, on object stores)."""
+    memo = c.setdefault("manifests", {})
+    if rank not in memo:
+        memo[rank] = _core.read_manifest(root, c["tag"], c["version"], rank)
+    return memo[rank]
 
 
 def _locate(root: str, c: dict[str, Any], name: str, rank: int) -> tuple[str, tuple[str, int, int]]:
@@ -844,7 +849,7 @@ def _locate(root: str, c: dict[str, Any], name: str, rank: int) -> tuple[str, tu
     world = int(c.get("world_size", 1))
     order = [rank] + [r for r in range(world) if r != rank] if rank < world else list(range(world))
     for r in order:
-        m = _core.read_manifest(root, c["tag"], c["version"], r)
+        m = _manifest(root, c, r)
         for entry in m["files"]:
             if entry[0] == name:
                 return _core.data_file_path(c["tag"], c["version"], r, name), tuple(entry)
@@ -967,7 +972,7 @@ def _verify(root: str, entry: dict[str, Any], ranks: list[int] | None = None,
     try:
         # This rank's own files first: those are the ones a load reads.
         for r in sorted(ranks, key=lambda r: r != prefetch_rank):
-            m = _core.read_manifest(root, entry["tag"], entry["version"], r)
+            m = _manifest(root, entry, r)
             if r == prefetch_rank and sum(f[1] for f in m["files"]) > _available_memory() // 2:
                 prefetch_rank = None  # too large to hold before it is loaded: check it only
             for name, size, crc in m["files"]:
@@ -1054,8 +1059,8 @@ def _handle(entry: dict[str, Any]) -> Checkpoint:
     if entry["tier"] == "persistent" and "names" not in entry:
         entry["names"] = [
             f[0]
-            for m in _manifests(entry["root"], entry["tag"], entry["version"], entry["world_size"])
-            for f in m["files"]
+            for r in range(int(entry["world_size"]))
+            for f in _manifest(entry["root"], entry, r)["files"]
         ]
     return Checkpoint(entry["tag"], _committed=entry)
 

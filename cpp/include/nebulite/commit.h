@@ -82,6 +82,8 @@ std::string TempDataFilePath(const std::string& tag, const std::string& version,
                              const std::string& name);
 std::string ManifestPath(const std::string& tag, const std::string& version, uint32_t rank);
 std::string CommitMarkerPath(const std::string& tag, const std::string& version);
+// The history beside the tags (docs/format.md): a file, never a tag.
+inline constexpr const char* kHistoryFile = "checkpointHistories.csv";
 
 Status WriteManifest(Storage* storage, const Manifest& m);
 Result<Manifest> ReadManifest(Storage* storage, const std::string& tag, const std::string& version,
@@ -90,7 +92,11 @@ Result<bool> AllManifestsPresent(Storage* storage, const std::string& tag,
                                  const std::string& version, uint32_t world_size);
 // Reads every rank's manifest, checks them and that every file they name exists with
 // its size (Corruption naming the file otherwise), and writes the marker atomically.
-Status WriteCommitMarker(Storage* storage, const CommitRecord& c);
+// `written`: the manifests the caller wrote itself (rank -> their text), checked as they
+// are instead of read back; the files they name are not looked up again (each was
+// complete before its manifest was written, step 1 of the protocol).
+Status WriteCommitMarker(Storage* storage, const CommitRecord& c,
+                         const std::map<uint32_t, std::string>& written = {});
 
 // Claims the next commit sequence number of the store, at least `at_least`: one more
 // than any number claimed before (or, in a store without claims, than any committed
@@ -135,7 +141,8 @@ class VersionChecker {
 // Keeps the newest `keep` (>= 1) committed versions that pass `checker` and deletes the
 // committed versions older than the oldest of them; damaged or unreadable versions are
 // never counted, and ones newer than that are kept. The version (protect_tag,
-// protect_version) is never deleted. Uncommitted version directories are never touched
+// protect_version), the one the caller has just committed, is never deleted and counts
+// as intact unchecked (its commit checked it). Uncommitted version directories are never touched
 // (one may be in progress). Returns the (tag, version) pairs deleted.
 struct RetentionResult {
   std::vector<std::pair<std::string, std::string>> deleted;

@@ -10,6 +10,8 @@
 //  - a WritableFile holds what is written in memory and puts it at Sync() (small files
 //    only: data files are written with WriteWholeFile, straight from the memory tier);
 //  - a ReadableFile reads the version it opened (by its etag), and fails if it is gone;
+//    ReadFile reads a small file (up to 64 KiB) with one GET, a larger one pinned to the
+//    etag of a HEAD; StatFile answers from a HEAD alone (a directory reads as NotFound);
 //  - Rename copies then deletes; AppendToFile reads, appends and puts (not atomic between
 //    processes: two appending at once may lose a line, never tear one);
 //  - TryLock fails with FailedPrecondition: no lock is shared between processes.

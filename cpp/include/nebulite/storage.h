@@ -125,6 +125,12 @@ class Storage {
   virtual Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) = 0;
   // What is at `path` (NotFound if nothing). Symbolic links are followed.
   virtual Result<FileInfo> Stat(const std::string& path) = 0;
+  // As Stat, for a path where a file is expected (a marker, a manifest, a data file): an
+  // object store answers NotFound from the object alone, without looking for a directory
+  // of that name (one request, not two). Callers treat anything but a file as not one.
+  virtual Result<FileInfo> StatFile(const std::string& path) { return Stat(path); }
+  // Whether StatFile finds something at `path`.
+  Result<bool> FileExists(const std::string& path);
   // The size of the regular file at `path`.
   Result<uint64_t> FileSize(const std::string& path);
   virtual Result<bool> Exists(const std::string& path) = 0;

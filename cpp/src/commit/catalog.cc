@@ -30,7 +30,7 @@ Result<Catalog> ReadCatalog(Storage* storage) {
     for (const std::string& version : *versions) {
       if (!ValidateVersionName(version).ok()) continue;
       const std::string marker = CommitMarkerPath(tag, version);
-      Result<FileInfo> info = storage->Stat(marker);
+      Result<FileInfo> info = storage->StatFile(marker);
       if (!info.ok()) {
         if (info.status().code() == StatusCode::kNotFound) continue;  // not committed
         catalog.warnings.push_back("skipping " + marker + ": " + info.status().ToString());
@@ -123,7 +123,9 @@ Result<RetentionResult> ApplyRetention(Storage* storage, uint32_t keep, VersionC
   size_t intact = 0, oldest_kept = catalog.entries.size();
   for (size_t i = catalog.entries.size(); i-- > 0 && intact < keep;) {
     const CatalogEntry& e = catalog.entries[i];
-    Status st = checker->Check(e);
+    const bool just_committed =
+        e.commit.tag == protect_tag && e.commit.version == protect_version;
+    Status st = just_committed ? Status::OK() : checker->Check(e);
     if (st.ok()) {
       ++intact;
       oldest_kept = i;

@@ -46,7 +46,7 @@ Result<LeaseState> ReadLease(Storage* storage, const std::string& host, int64_t 
                              bool lock_is_mine) {
   LeaseState out;
   const std::string path = kLeasePath;
-  Result<FileInfo> info = storage->Stat(path);
+  Result<FileInfo> info = storage->StatFile(path);
   if (!info.ok()) {
     if (info.status().code() == StatusCode::kNotFound) return out;
     out.warnings.push_back("ignoring the writer lease " + path + ": " + info.status().ToString());
@@ -152,7 +152,7 @@ struct LeaseKeeper::State {
 
   // Removes the lease if it still names this job; call with io_mu held.
   void RemoveIfMine() {
-    Result<FileInfo> info = storage->Stat(kLeasePath);
+    Result<FileInfo> info = storage->StatFile(kLeasePath);
     if (!info.ok() || info->type != FileType::kFile) return;
     Result<std::string> text = storage->ReadFile(kLeasePath, kMaxLeaseBytes);
     if (!text.ok()) return;

@@ -84,7 +84,7 @@ Result<bool> RunIsAlive(Storage* storage, const std::string& run) {
     return Status::FailedPrecondition(storage->Describe() +
                                       " is an object store: it cannot tell which runs are alive");
   }
-  NEBULITE_ASSIGN_OR_RETURN(bool exists, storage->Exists(RunLockPath(run)));
+  NEBULITE_ASSIGN_OR_RETURN(bool exists, storage->FileExists(RunLockPath(run)));
   if (!exists) return false;
   NEBULITE_ASSIGN_OR_RETURN(std::unique_ptr<StoreLock> lock,
                             storage->TryLock(RunLockPath(run), /*exclusive=*/true));
@@ -104,7 +104,7 @@ Result<uint64_t> HighestVersionCounter(Storage* storage, const std::string& run,
       uint64_t counter;
       if (!ParseVersionName(v, &r, &counter) || r != run || counter <= highest) continue;
       if (committed_only) {
-        Result<bool> committed = storage->Exists(CommitMarkerPath(tag, v));
+        Result<bool> committed = storage->FileExists(CommitMarkerPath(tag, v));
         if (!committed.ok() || !*committed) continue;
       }
       highest = counter;
@@ -130,7 +130,7 @@ Result<CleanupResult> RemoveDeadRunsVersions(Storage* storage, const std::string
       uint64_t counter;
       if (!ParseVersionName(version, &run, &counter) || run == live_run) continue;
       const std::string dir = VersionDir(tag, version);
-      Result<bool> committed = storage->Exists(CommitMarkerPath(tag, version));
+      Result<bool> committed = storage->FileExists(CommitMarkerPath(tag, version));
       if (!committed.ok() || *committed) continue;
       // 1. Its run's lock must be free: hold it exclusively while deciding, so that a
       //    process of that run starting now waits for the decision (HoldRun fails).
@@ -170,7 +170,7 @@ Result<CleanupResult> RemoveDeadRunsVersions(Storage* storage, const std::string
 
 Status RemoveAbandonedRankFiles(Storage* storage, const std::string& tag,
                                 const std::string& version, uint32_t rank) {
-  NEBULITE_ASSIGN_OR_RETURN(bool committed, storage->Exists(CommitMarkerPath(tag, version)));
+  NEBULITE_ASSIGN_OR_RETURN(bool committed, storage->FileExists(CommitMarkerPath(tag, version)));
   if (committed) return Status::OK();
   NEBULITE_RETURN_IF_ERROR(storage->Delete(ManifestPath(tag, version, rank)));
   NEBULITE_RETURN_IF_ERROR(storage->DeleteRecursively(RankDir(tag, version, rank)));

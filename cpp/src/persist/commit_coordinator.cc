@@ -2,6 +2,8 @@
 
 #include <algorithm>
 #include <chrono>
+#include <map>
+#include <string>
 
 #include "persist/persister.h"
 
@@ -17,8 +19,10 @@ Status CommitCoordinator::CommitNow(const std::shared_ptr<VersionState>& v) {
   const auto t0 = Clock::now();
   CommitRecord c;
   uint64_t bytes = 0;
+  std::map<uint32_t, std::string> written;  // this rank's manifest: not read back
   {
     std::lock_guard<std::mutex> lock(core_->mu);
+    if (!v->manifest_written.empty()) written[core_->opts.rank] = v->manifest_written;
     c.tag = v->tag;
     c.version = v->version;
     c.seq = v->seq;
@@ -29,7 +33,7 @@ Status CommitCoordinator::CommitNow(const std::shared_ptr<VersionState>& v) {
   c.time_unix_ns = std::chrono::duration_cast<std::chrono::nanoseconds>(
                        std::chrono::system_clock::now().time_since_epoch())
                        .count();
-  NEBULITE_RETURN_IF_ERROR(WriteCommitMarker(storage, c));
+  NEBULITE_RETURN_IF_ERROR(WriteCommitMarker(storage, c, written));
   {
     std::lock_guard<std::mutex> lock(core_->mu);
     v->seq = c.seq;  // the store's order from now on
@@ -47,6 +51,7 @@ Status CommitCoordinator::CommitNow(const std::shared_ptr<VersionState>& v) {
       retention = r.status();
     }
   }
+  core_->history.Flush();  // the version's rows, in one write
   std::lock_guard<std::mutex> lock(core_->mu);
   if (!retention.ok()) core_->ReportLocked(retention.WithContext("retention"));
   v->store_committed = true;

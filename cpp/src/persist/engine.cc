@@ -355,6 +355,7 @@ class EngineImpl : public Engine {
     std::vector<HistoryRow> rows;
     Status st = CommitLocked(tag, version, seq, persist, &rows);
     for (const HistoryRow& r : rows) core_->history.Append(r);  // the store, outside the lock
+    core_->history.Flush();
     return st;
   }
 
@@ -411,9 +412,9 @@ class EngineImpl : public Engine {
   // committed too; between the two deletions the next look decides.
   bool CommittedOrRetired(const std::string& tag, const std::string& version) {
     Storage* s = core_->storage.get();
-    auto marker = s->Exists(CommitMarkerPath(tag, version));
+    auto marker = s->FileExists(CommitMarkerPath(tag, version));
     if (marker.ok() && *marker) return true;
-    auto manifest = s->Exists(ManifestPath(tag, version, core_->opts.rank));
+    auto manifest = s->FileExists(ManifestPath(tag, version, core_->opts.rank));
     return manifest.ok() && !*manifest;
   }
 
@@ -595,6 +596,7 @@ class EngineImpl : public Engine {
     core_->stager->Stop(deadline);
     if (core_->persister) core_->persister->Stop(deadline);
     if (core_->coordinator) core_->coordinator->Stop(deadline);
+    core_->history.Flush();
     return st;
   }
 

@@ -57,17 +57,34 @@ void HistoryLog::Append(HistoryRow row) {
   rows_.push_back(row);
   if (rows_.size() > kHistoryRowsKept) rows_.pop_front();
   if (!storage_ || storage_->read_only()) return;
+  unwritten_ += FormatRow(row);
+  if (!storage_->is_object_store()) WriteLocked();
+}
+
+void HistoryLog::Flush() {
+  std::lock_guard<std::mutex> lock(mu_);
+  WriteLocked();
+}
+
+void HistoryLog::WriteLocked() {
+  if (unwritten_.empty()) return;
+  std::string rows;
+  rows.swap(unwritten_);  // written or dropped
   if (!header_written_) {
-    // The first writer of the store creates the file with its header.
-    Result<bool> exists = storage_->Exists(kHistoryFile);
+    // The first writer of the store creates the file, with its header and its rows.
+    Result<bool> exists = storage_->FileExists(kHistoryFile);
     if (!exists.ok()) return;
     if (!*exists) {
-      Status st = storage_->CreateFileExclusive(kHistoryFile, Header());
-      if (!st.ok() && st.code() != StatusCode::kAlreadyExists) return;
+      Status st = storage_->CreateFileExclusive(kHistoryFile, Header() + rows);
+      if (st.ok()) {
+        header_written_ = true;
+        return;
+      }
+      if (st.code() != StatusCode::kAlreadyExists) return;
     }
     header_written_ = true;
   }
-  (void)storage_->AppendToFile(kHistoryFile, FormatRow(row));
+  (void)storage_->AppendToFile(kHistoryFile, rows);
 }
 
 std::vector<HistoryRow> HistoryLog::Rows() {

@@ -47,7 +47,7 @@ Status Persister::CheckNotCommittedInStore(const std::shared_ptr<VersionState>& 
     tag = v->tag;
     version = v->version;
   }
-  NEBULITE_ASSIGN_OR_RETURN(bool committed, core_->storage->Exists(CommitMarkerPath(tag, version)));
+  NEBULITE_ASSIGN_OR_RETURN(bool committed, core_->storage->FileExists(CommitMarkerPath(tag, version)));
   if (committed) {
     return Status::FailedPrecondition(
         "version " + version + " of checkpoint '" + tag +
@@ -82,6 +82,7 @@ void Persister::Fail(const std::shared_ptr<VersionState>& v, const Status& st,
     core_->changed.notify_all();
   }
   core_->history.Append(row);
+  core_->history.Flush();
   for (const std::string& path : doomed) (void)core_->storage->Delete(path);
 }
 
@@ -195,10 +196,14 @@ Status Persister::Finish(const std::shared_ptr<VersionState>& v) {
   {
     std::lock_guard<std::mutex> lock(core_->mu);
     v->persisted = true;
+    v->manifest_written = EncodeManifest(m);
     if (core_->opts.world_size > 1) {
       if (core_->coordinator) core_->coordinator->AddLocked(v);
-      return Status::OK();
     }
+  }
+  if (core_->opts.world_size > 1) {
+    core_->history.Flush();  // this rank's rows; the coordinator writes the commit's
+    return Status::OK();
   }
   return core_->coordinator->CommitNow(v);
 }

@@ -56,6 +56,7 @@ struct VersionState {
   bool persist_requested = false;
   bool store_touched = false;       // this rank created something of it in the store
   bool manifest_attempted = false;  // this rank's manifest may be published: keep its files
+  std::string manifest_written;     // this rank's manifest as written (the commit's copy)
   bool persisted = false;           // this rank's manifest is durable
   bool store_committed = false;     // the commit marker is known to exist
   bool failed = false;

@@ -53,6 +53,13 @@ Result<uint64_t> Storage::FileSize(const std::string& path) {
   return info.size;
 }
 
+Result<bool> Storage::FileExists(const std::string& path) {
+  Result<FileInfo> info = StatFile(path);
+  if (info.ok()) return true;
+  if (info.status().code() == StatusCode::kNotFound) return false;
+  return info.status();
+}
+
 Status Storage::WriteWholeFile(const std::string& path, const std::vector<ByteSpan>& pieces) {
   NEBULITE_RETURN_IF_ERROR(internal::ValidateRelativePath(path, "path", false));
   const std::string name = BaseName(path);

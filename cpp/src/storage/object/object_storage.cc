@@ -151,6 +151,8 @@ class ObjectWritableFile final : public WritableFile {
 
 class ObjectStorage final : public Storage {
  public:
+  static constexpr size_t kOneGetRead = 64 << 10;  // ReadFile's first (often only) request
+
   ObjectStorage(std::shared_ptr<ObjectClient> client, bool read_only)
       : client_(std::move(client)), read_only_(read_only) {}
 
@@ -202,17 +204,31 @@ class ObjectStorage final : public Storage {
         new ObjectReadableFile(client_, blocks_, path, std::move(info)));
   }
 
+  // One GET for a small file (markers, manifests, leases: what is read most): a request
+  // returns one version whole, so a read shorter than asked is the file. A longer file is
+  // read again, all of it, pinned to the version a HEAD names.
   Result<std::string> ReadFile(const std::string& path, uint64_t max_bytes) override {
-    NEBULITE_ASSIGN_OR_RETURN(ObjectInfo info, HeadFile(path));
-    if (info.size > max_bytes) {
-      return Status::Corruption("'" + path + "' has " + std::to_string(info.size) +
-                                " bytes, more than the " + std::to_string(max_bytes) + " expected");
+    NEBULITE_RETURN_IF_ERROR(ValidateRelativePath(path, "path", false));
+    std::string first(max_bytes < kOneGetRead ? static_cast<size_t>(max_bytes) + 1 : kOneGetRead,
+                      '\0');
+    Result<size_t> got = client_->Get(path, 0, first.size(), first.data(), "");
+    if (!got.ok()) {
+      if (got.status().code() != StatusCode::kNotFound) return got.status();
+      NEBULITE_ASSIGN_OR_RETURN(bool dir, IsDir(path));
+      if (dir) return Status::InvalidArgument("'" + path + "' is a directory, not a file");
+      return got.status();
     }
+    if (*got < first.size()) {
+      first.resize(*got);
+      return first;
+    }
+    if (*got > max_bytes) return TooLarge(path, *got, max_bytes);
+    NEBULITE_ASSIGN_OR_RETURN(ObjectInfo info, HeadFile(path));
+    if (info.size > max_bytes) return TooLarge(path, info.size, max_bytes);
     std::string out(static_cast<size_t>(info.size), '\0');
     if (!out.empty()) {
-      NEBULITE_ASSIGN_OR_RETURN(size_t got,
-                                client_->Get(path, 0, out.size(), out.data(), info.etag));
-      if (got != out.size()) return Status::IOError("'" + path + "' shrank while being read");
+      NEBULITE_ASSIGN_OR_RETURN(size_t n, client_->Get(path, 0, out.size(), out.data(), info.etag));
+      if (n != out.size()) return Status::IOError("'" + path + "' shrank while being read");
     }
     return out;
   }
@@ -226,6 +242,13 @@ class ObjectStorage final : public Storage {
     NEBULITE_ASSIGN_OR_RETURN(bool dir, IsDir(path));
     if (dir) return FileInfo{FileType::kDirectory, 0, 0};
     return Status::NotFound("'" + path + "' does not exist in " + Describe());
+  }
+
+  Result<FileInfo> StatFile(const std::string& path) override {
+    NEBULITE_RETURN_IF_ERROR(ValidateRelativePath(path, "path", false));
+    Result<ObjectInfo> info = client_->Head(path);
+    if (!info.ok()) return info.status();
+    return FileInfo{FileType::kFile, info->size, info->mtime_ns};
   }
 
   Result<bool> Exists(const std::string& path) override {
@@ -312,6 +335,14 @@ class ObjectStorage final : public Storage {
   Status ReadOnlyError(const std::string& path) const {
     return Status::PermissionDenied(Describe() + " is open for reading only: cannot change '" +
                                     path + "'");
+  }
+
+  // `size`: what is known of it (at least max_bytes + 1).
+  static Status TooLarge(const std::string& path, uint64_t size, uint64_t max_bytes) {
+    const std::string has = size == max_bytes + 1 ? "more than the "
+                                                  : std::to_string(size) + " bytes, more than the ";
+    return Status::Corruption("'" + path + "' has " + has + std::to_string(max_bytes) +
+                              " bytes expected");
   }
 
   Status CheckWrite(const std::string& path) const {
