@@ -289,7 +289,18 @@ Status WriteCommitMarker(Storage* storage, const CommitRecord& c,
     }
     record.manifest_crc32.push_back(crc);
   }
-  return storage->WriteFileAtomic(CommitMarkerPath(c.tag, c.version), EncodeCommitRecord(record));
+  const std::string marker = CommitMarkerPath(c.tag, c.version);
+  const std::string encoded = EncodeCommitRecord(record);
+  if (!storage->is_object_store()) return storage->WriteFileAtomic(marker, encoded);
+  // On an object store the marker is a create-only put (If-None-Match: *), so that a marker,
+  // once written, is never replaced. One that exists already with these very bytes is this
+  // write's own, answered after a retry of a put that had succeeded.
+  Status created = storage->CreateFileExclusive(marker, encoded);
+  if (created.code() != StatusCode::kAlreadyExists) return created;
+  Result<std::string> existing = storage->ReadFile(marker, encoded.size() + 1);
+  if (existing.ok() && *existing == encoded) return Status::OK();
+  return Status::AlreadyExists("cannot commit: '" + marker +
+                               "' exists already and was not written by this commit");
 }
 
 namespace {

@@ -247,6 +247,24 @@ void CommitOne(Storage* s, const std::string& data) {
   ASSERT_TRUE(WriteCommitMarker(s, c).ok());
 }
 
+TEST(ObjectStorageTest, ACommitMarkerIsNeverReplaced) {
+  std::shared_ptr<ObjectClient> client = NewMemoryObjectClient();
+  std::unique_ptr<Storage> s = OpenObjectStorage(client, /*read_only=*/false);
+  CommitOne(s.get(), "bytes");
+  Result<std::string> marker = s->ReadFile(CommitMarkerPath("t", "v"), 1 << 20);
+  ASSERT_TRUE(marker.ok());
+  // The same commit again (a retried put that had succeeded): the marker is its own.
+  CommitRecord same{"t", "v", 1, 0, 1, {}};
+  EXPECT_TRUE(WriteCommitMarker(s.get(), same).ok());
+  // Another commit of the version (another sequence number) is refused, the marker kept.
+  CommitRecord other{"t", "v", 2, 0, 1, {}};
+  Status st = WriteCommitMarker(s.get(), other);
+  EXPECT_EQ(st.code(), StatusCode::kAlreadyExists) << st.ToString();
+  Result<std::string> after = s->ReadFile(CommitMarkerPath("t", "v"), 1 << 20);
+  ASSERT_TRUE(after.ok());
+  EXPECT_EQ(*after, *marker);
+}
+
 TEST(ObjectStorageTest, RetentionsCheckReadsBackOnlyAFileChangedAfterTheMarkersSecond) {
   auto clock = std::make_shared<SecondsClock>(NewMemoryObjectClient());
   auto storage = OpenObjectStorage(clock);
