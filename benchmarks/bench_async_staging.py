@@ -27,7 +27,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from typing import Any
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -35,34 +34,10 @@ sys.path.insert(0, HERE)
 
 import torch  # noqa: E402
 
-from suite import workloads  # noqa: E402
+from suite import dcp_async, workloads  # noqa: E402
 
 SMOKE = ["syn-tiny", "gpt2-tiny"]
 DEFAULT = ["gpt2-124m", "syn-256m"]
-
-
-def bench_dcp(state: dict[str, Any], d: str, reps: int) -> list[dict[str, float]]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    warnings.filterwarnings("ignore", module=r"torch\.distributed")
-    stager = DefaultStager(StagingOptions(torch.cuda.is_available(), True, True, False))
-    out = []
-    try:
-        for i in range(reps + 1):
-            path = os.path.join(d, f"dcp-{i}")
-            t0 = time.perf_counter()
-            f = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
-            t1 = time.perf_counter()
-            f.staging_completion.result()
-            t2 = time.perf_counter()
-            f.upload_completion.result()
-            shutil.rmtree(path, ignore_errors=True)
-            if i:
-                out.append({"blocking_s": t1 - t0, "staged_s": t2 - t0})
-    finally:
-        stager.close()
-    return out
 
 
 def bench_nebulite(state: dict[str, Any], opt: torch.optim.Optimizer, d: str,
@@ -117,7 +92,7 @@ def main() -> None:
             results[name] = {
                 "bytes": workloads.state_bytes(state),
                 "tensors": len(workloads.tensors(state)),
-                "dcp": bench_dcp(state, d, reps),
+                "dcp": dcp_async.async_save_times(state, d, reps),
                 "nebulite": bench_nebulite(state, opt, d, reps),
             }
             del state, opt

@@ -24,10 +24,13 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from typing import Any
 
-import torch
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch  # noqa: E402
+
+from suite import dcp_async  # noqa: E402
 
 GB = 1e9
 
@@ -93,32 +96,6 @@ def torch_save(state: dict[str, torch.Tensor], d: str) -> float:
     return dt
 
 
-def dcp_async(state: dict[str, torch.Tensor], d: str, reps: int) -> dict[str, float]:
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-    warnings.filterwarnings("ignore", module=r"torch\.distributed")
-    stager = DefaultStager(StagingOptions(True, True, True, False))
-    blocking, staged = [], []
-    try:
-        for i in range(reps + 1):
-            path = os.path.join(d, f"dcp-{i}")
-            _sync()
-            t0 = time.perf_counter()
-            f = dcp.async_save(state, checkpoint_id=path, async_stager=stager)
-            t1 = time.perf_counter()
-            f.staging_completion.result()
-            t2 = time.perf_counter()
-            f.upload_completion.result()
-            shutil.rmtree(path, ignore_errors=True)
-            if i:
-                blocking.append(t1 - t0)
-                staged.append(t2 - t0)
-    finally:
-        stager.close()
-    return {"blocking_s": statistics.median(blocking), "staged_s": statistics.median(staged)}
-
-
 def step_times(d: str, steps: int) -> dict[str, float]:
     """A step of a small transformer with and without an async checkpoint every step."""
     import nebulite as nm
@@ -176,7 +153,8 @@ def main() -> None:
         out["pinned_copy"] = pinned_copy_bandwidth(state)
         out["blocking"] = nebulite_saves(state, base, False, args.reps)
         out["async"] = nebulite_saves(state, base, True, args.reps)
-        out["dcp"] = dcp_async(state, base, args.reps)
+        dcp = dcp_async.async_save_times(state, base, args.reps)
+        out["dcp"] = {k: statistics.median(r[k] for r in dcp) for k in ("blocking_s", "staged_s")}
         out["torch.save"] = torch_save(state, base)
         del state
         torch.cuda.empty_cache()
