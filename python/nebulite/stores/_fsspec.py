@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import fsspec
 from fsspec.spec import AbstractBufferedFile, AbstractFileSystem
 
-from nebulite.stores import SCHEMES, ObjectClient, open_client
+from nebulite.stores import SCHEMES, ObjectClient, files, open_client
 
 #: The fsspec package each scheme belongs to, where one exists.
 PACKAGES = {"az": "adlfs", "abfs": "adlfs", "abfss": "adlfs", "s3": "s3fs", "gs": "gcsfs"}
@@ -69,40 +69,27 @@ class ObjectStoreFileSystem(AbstractFileSystem):
                 client = self._clients[container] = open_client(f"{self.scheme}://{container}")
         return client, container, key
 
-    @staticmethod
-    def _file(path: str, size: int, mtime_ns: int) -> dict[str, Any]:
-        return {"name": path, "size": size, "type": "file", "mtime_ns": mtime_ns}
-
-    @staticmethod
-    def _dir(path: str) -> dict[str, Any]:
-        return {"name": path, "size": 0, "type": "directory"}
-
     def info(self, path: str, **kwargs: Any) -> dict[str, Any]:
         client, container, key = self._split(path)
-        if not key:
-            return self._dir(container)
-        try:
-            size, mtime_ns, _ = client.head(key)
-            return self._file(f"{container}/{key}", size, mtime_ns)
-        except (FileNotFoundError, IsADirectoryError):
-            pass
-        files, dirs = client.list(key + "/", False)
-        if files or dirs:
-            return self._dir(f"{container}/{key}")
-        raise FileNotFoundError(path)
+        found = files.lookup(client, key)
+        if found is None:
+            raise FileNotFoundError(path)
+        kind, size, mtime_ns = found
+        name = f"{container}/{key}" if key else container
+        if kind == "file":
+            return {"name": name, "size": size, "type": "file", "mtime_ns": mtime_ns}
+        return {"name": name, "size": 0, "type": "directory"}
 
     def ls(self, path: str, detail: bool = True, **kwargs: Any) -> list[Any]:
         client, container, key = self._split(path)
-        files, dirs = client.list(key + "/" if key else "", False)
-        if not files and not dirs:
-            if key and self.info(path)["type"] == "file":
-                entries = [self.info(path)]
-                return entries if detail else [e["name"] for e in entries]
-            if key:
-                raise FileNotFoundError(path)
-        entries = [self._file(f"{container}/{k}", size, mtime) for k, size, mtime in files]
-        entries += [self._dir(f"{container}/{d}") for d in dirs]
-        entries.sort(key=lambda e: e["name"])
+        below, dirs = files.list_below(client, key)
+        if key and not below and not dirs:  # a file lists as itself; nothing at all is an error
+            entries = [self.info(path)]
+        else:
+            entries = [{"name": f"{container}/{k}", "size": size, "type": "file", "mtime_ns": mtime}
+                       for k, size, mtime in below]
+            entries += [{"name": f"{container}/{d}", "size": 0, "type": "directory"} for d in dirs]
+            entries.sort(key=lambda e: e["name"])
         return entries if detail else [e["name"] for e in entries]
 
     def modified(self, path: str) -> datetime:

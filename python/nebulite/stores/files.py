@@ -23,7 +23,8 @@ from typing import Optional
 from nebulite.errors import InvalidArgumentError
 from nebulite.stores import _URL, SCHEMES, ObjectClient, open_client
 
-__all__ = ["Entry", "kind", "listdir", "read_bytes", "remove", "split", "stat", "write_bytes"]
+__all__ = ["Entry", "kind", "list_below", "listdir", "lookup", "read_bytes", "remove", "split", "stat",
+           "write_bytes"]
 
 
 @dataclass(frozen=True)
@@ -53,6 +54,27 @@ def _client(url: str) -> tuple[ObjectClient, str, str]:
     return open_client(root), root, key
 
 
+def lookup(client: ObjectClient, key: str) -> Optional[tuple[str, int, int]]:
+    """What `key` is in `client`'s store: ("file", size, mtime_ns), ("directory", 0, 0)
+    (a prefix with keys below it; the root always is one) or None for neither. The one
+    place that says what a directory of an object store is."""
+    if not key:
+        return ("directory", 0, 0)
+    try:
+        size, mtime_ns, _ = client.head(key)
+        return ("file", size, mtime_ns)
+    except (FileNotFoundError, IsADirectoryError):
+        pass
+    files, dirs = client.list(key + "/", False)
+    return ("directory", 0, 0) if files or dirs else None
+
+
+def list_below(client: ObjectClient, key: str) -> tuple[list[tuple[str, int, int]], list[str]]:
+    """The files ((key, size, mtime_ns)) and directory keys directly below `key`, sorted."""
+    files, dirs = client.list(key + "/" if key else "", False)
+    return sorted(files), sorted(dirs)
+
+
 def stat(url: str) -> Entry:
     client, root, key = _client(url)
     if not key:
@@ -65,24 +87,15 @@ def kind(url: str) -> Optional[str]:
     """"file" for an object at `url`, "directory" for a prefix with keys below it (a
     container's root always is one), None for neither."""
     client, _, key = _client(url)
-    if not key:
-        return "directory"
-    try:
-        client.head(key)
-        return "file"
-    except (FileNotFoundError, IsADirectoryError):
-        pass
-    files, dirs = client.list(key + "/", False)
-    return "directory" if files or dirs else None
+    found = lookup(client, key)
+    return found[0] if found else None
 
 
 def listdir(url: str) -> tuple[list[Entry], list[str]]:
     """The files directly below `url` and the URLs of the directories there."""
     client, root, key = _client(url)
-    prefix = key + "/" if key else ""
-    files, dirs = client.list(prefix, False)
-    return (sorted((Entry(f"{root}/{k}", size, mtime) for k, size, mtime in files), key=lambda e: e.url),
-            sorted(f"{root}/{d}" for d in dirs))
+    files, dirs = list_below(client, key)
+    return [Entry(f"{root}/{k}", size, mtime) for k, size, mtime in files], [f"{root}/{d}" for d in dirs]
 
 
 def read_bytes(url: str, limit: int) -> bytes:
