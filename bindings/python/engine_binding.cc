@@ -13,6 +13,7 @@
 #include <mutex>
 
 #include "nebulite/copy_engine.h"
+#include "nebulite/crc32.h"
 #include "nebulite/engine.h"
 #include "status_binding.h"
 #include "store_open.h"
@@ -114,6 +115,16 @@ void RegisterEngine(nb::module_& m) {
       nb::arg("spans"), nb::arg("crc") = false,
       "Copies many (dst, src, n) spans at once with every core (GIL released); with crc=True "
       "returns each span's CRC-32, computed in the same pass.");
+
+  m.def(
+      "crc32",
+      [](uintptr_t address, uint64_t n, int threads) {
+        nb::gil_scoped_release release;
+        return Crc32Parallel(reinterpret_cast<const void*>(address), n, threads);
+      },
+      nb::arg("address"), nb::arg("n"), nb::arg("threads") = 1,
+      "The CRC-32 of n bytes at address, computed by `threads` threads (GIL released): for "
+      "bytes that landed by a copy nebulite did not make (a device-to-host DMA).");
 
   nb::class_<ObjectLease>(m, "ObjectLease")
       .def_prop_ro("address",
