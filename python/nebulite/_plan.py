@@ -12,10 +12,10 @@ An object whose key equals the one its name had last time pickles to the same sk
 (``data.pkl``), so the skeleton and the record layout are reused and only the storages'
 addresses are taken afresh.
 
-Only objects made of dicts, lists, tuples, plain scalars and plain CPU tensors have a key;
-anything else (a custom class, a tensor subclass, a tensor with hooks or attributes of its
-own, a quantized, conjugate or negative-bit tensor, a CUDA tensor) is flattened by torch's
-serializer every time.
+Only objects made of dicts, lists, tuples, plain scalars and plain CPU or CUDA tensors have
+a key (a CUDA tensor's includes its device); anything else (a custom class, a tensor
+subclass, a tensor with hooks or attributes of its own, a quantized, conjugate or
+negative-bit tensor) is flattened by torch's serializer every time.
 """
 
 from __future__ import annotations
@@ -77,12 +77,15 @@ def walk(obj: Any) -> Structure:
                 sizes.append(s.nbytes())
                 views[id(s)] = []
             views[id(s)].append((x, x._version))
-            if (t is not Tensor and t is not Parameter) or not x.is_cpu or x.__dict__ \
-                    or x._backward_hooks or x.is_quantized or x.is_conj() or x.is_neg():
+            cpu = x.is_cpu
+            if (t is not Tensor and t is not Parameter) or not (cpu or x.is_cuda) \
+                    or x.__dict__ or x._backward_hooks or x.is_quantized or x.is_conj() \
+                    or x.is_neg():
                 keyed = False
                 return
             put((t, x.dtype, x.shape, x.stride(), x.storage_offset(), x.requires_grad, j,
-                 sizes[j]))
+                 sizes[j]) if cpu else (t, x.device, x.dtype, x.shape, x.stride(),
+                                        x.storage_offset(), x.requires_grad, j, sizes[j]))
             return
         if t is str or t is int or t is bool or t is NoneType or t is bytes:
             put(t)

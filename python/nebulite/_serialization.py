@@ -13,16 +13,18 @@ and ``weights_only`` behaves exactly as in ``torch.load``.
 from __future__ import annotations
 
 import ctypes
+import io
 import json
 import os
 import pickle
 import secrets
+import sys
 import time
 from typing import Any, Callable
 
 import torch
 
-from . import _plan, _staging
+from . import _device, _plan, _staging
 from .errors import InvalidArgumentError
 
 FORMAT_VERSION = 1
@@ -53,6 +55,7 @@ class RecordCollector:
         self.records: list[tuple[str, int, int, bool]] = []
         self.sources: list[Any] = []  # each record's bytes or storage, kept alive
         self.storage_bytes = 0
+        self.on_device: set[int] = set()  # indexes of records held by a CUDA storage
         self.watch = watch if watch is not None else _staging.Watch()
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
@@ -63,9 +66,17 @@ class RecordCollector:
             self.sources.append(data)
             self.records.append((name, _bytes_address(data), len(data), False))
             return
-        # An untyped storage (already on the CPU: _save moves others there).
-        if data.device.type != "cpu":  # pragma: no cover - _save handles it
-            data = data.cpu()
+        # An untyped storage: on the CPU, or on a CUDA device when the skeleton came from
+        # save_skeleton (torch's _save moves others to the CPU first).
+        if data.device.type != "cpu":
+            if not _device.is_device_storage(data):  # pragma: no cover - no such device here
+                data = data.cpu()
+            else:
+                self.on_device.add(len(self.records))
+                self.sources.append(data)
+                self.records.append((name, 0, int(nbytes), self.watch.defer(data, int(nbytes))))
+                self.storage_bytes += int(nbytes)
+                return
         self.sources.append(data)
         ptr = int(data.data_ptr())
         self.records.append((name, ptr, int(nbytes), self.watch.defer(data, int(nbytes))))
@@ -80,6 +91,22 @@ class RecordCollector:
     @property
     def deferred(self) -> bool:
         return any(r[3] for r in self.records)
+
+    @property
+    def device_copies(self) -> bool:
+        """True if some record is copied from a device (see nebulite._device)."""
+        return bool(self.on_device)
+
+    def move_to_host(self) -> None:
+        """Copies the device records to (pageable) host memory: staged by the engine like
+        any other, when the object is too large for a reservation in the memory tier."""
+        for i in sorted(self.on_device):
+            name, _, size, _ = self.records[i]
+            host = self.sources[i].cpu()
+            self.sources[i] = host
+            self.records[i] = (name, int(host.data_ptr()), size, False)
+        self.watch.deferred = [d for d in self.watch.deferred if d[0].device.type == "cpu"]
+        self.on_device.clear()
 
     def plan(self, structure: _plan.Structure) -> _plan.Plan | None:
         """The records so far as a plan for later saves of the same structure (None when
@@ -98,6 +125,72 @@ class RecordCollector:
         return _plan.Plan(structure.key, tuple(out))
 
 
+def save_skeleton(obj: Any, zip_file: Any, pickle_module: Any, pickle_protocol: int,
+                  _disable_byteorder_record: bool) -> None:
+    """``torch.serialization._save`` (torch 2.x) but for one thing: every storage is
+    handed to `zip_file` on its own device, never copied to the CPU. Everything written
+    (the pickled skeleton, with torch's persistent ids, and the records in their order) is
+    what torch.save writes; tests/test_device.py holds the two to the same bytes."""
+    from torch.serialization import _get_storage_alignment, location_tag, normalize_storage_type
+
+    serialized_storages: dict[str, torch.UntypedStorage] = {}
+    id_map: dict[int, str] = {}
+    storage_dtypes: dict[int, torch.dtype] = {}
+
+    def persistent_id(obj: Any) -> Any:
+        if isinstance(obj, torch.storage.TypedStorage) or torch.is_storage(obj):
+            if isinstance(obj, torch.storage.TypedStorage):
+                storage = obj._untyped_storage
+                storage_dtype = obj.dtype
+                storage_type = getattr(torch, obj._pickle_storage_type())
+                storage_numel = obj._size()
+            else:
+                storage = obj
+                storage_dtype = torch.uint8
+                storage_type = normalize_storage_type(type(obj))
+                storage_numel = storage.nbytes()
+            if str(storage.device) != "meta" and storage.data_ptr() != 0:
+                if storage.data_ptr() in storage_dtypes:
+                    if storage_dtype != storage_dtypes[storage.data_ptr()]:
+                        raise RuntimeError(
+                            "Cannot save multiple tensors or storages that "
+                            "view the same data as different types")
+                else:
+                    storage_dtypes[storage.data_ptr()] = storage_dtype
+            storage_key = id_map.setdefault(storage._cdata, str(len(id_map)))
+            if hasattr(obj, "_fake_device") and obj._fake_device is not None:
+                location = str(obj._fake_device)
+            else:
+                location = location_tag(storage)
+            serialized_storages[storage_key] = storage
+            return ("storage", storage_type, storage_key, location, storage_numel)
+        return None
+
+    data_buf = io.BytesIO()
+
+    class PyTorchPickler(pickle_module.Pickler):  # type: ignore[name-defined,misc]
+        def persistent_id(self, obj: Any) -> Any:
+            return persistent_id(obj)
+
+    PyTorchPickler(data_buf, protocol=pickle_protocol).dump(obj)
+    data_value = data_buf.getvalue()
+    zip_file.write_record("data.pkl", data_value, len(data_value))
+    zip_file.write_record(".format_version", "1", len("1"))
+    storage_alignment = str(_get_storage_alignment())
+    zip_file.write_record(".storage_alignment", storage_alignment, len(storage_alignment))
+    if not _disable_byteorder_record:
+        if sys.byteorder not in ["little", "big"]:
+            raise ValueError("Unknown endianness type: " + sys.byteorder)
+        zip_file.write_record("byteorder", sys.byteorder, len(sys.byteorder))
+    for key, storage in serialized_storages.items():
+        if torch.serialization._serialization_tls.skip_data:
+            zip_file.write_record_metadata(f"data/{key}", storage.nbytes())
+            continue
+        if storage.device.type not in ("cpu", "cuda"):  # what torch does for the others
+            storage = storage.cpu()
+        zip_file.write_record(f"data/{key}", storage, storage.nbytes())
+
+
 def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str) -> RecordCollector:
     """Returns the records of `obj` as torch.save would write them, plus nebulite's index.
     A structure saved under `name` before reuses its flattening (see nebulite._plan)."""
@@ -111,8 +204,11 @@ def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str) -> Record
             else:
                 collector.write_record(record[0], structure.storages[record[2]], record[3])
     else:
+        # With CUDA in use, the skeleton is written by save_skeleton, which hands CUDA
+        # storages over where they are; torch's _save would copy each to pageable memory.
+        save = save_skeleton if _device.in_use() else torch.serialization._save
         try:
-            torch.serialization._save(obj, collector, pickle, 2, False)
+            save(obj, collector, pickle, 2, False)
         except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as e:
             raise InvalidArgumentError(
                 f"cannot save {name!r} in checkpoint {tag!r}: the object is not picklable ({e})"
@@ -159,8 +255,16 @@ class ArchiveSource:
         description: str,
         buffers: dict[str, torch.Tensor] | None = None,
         offsets: dict[str, int] | None = None,
+        lend: Callable[[str], int] | None = None,
+        pin: Callable[[], bool] | None = None,
     ) -> None:
         self._sizes = sizes
+        # Records in host memory that outlives the load (the memory tier): record -> its
+        # address, so that a record restored to a CUDA device is copied there directly.
+        self._lend = lend
+        self._pin = pin
+        self.targets: dict[str, torch.device] = {}  # record -> the CUDA device it goes to
+        self.devices: set[torch.device] = set()  # devices with copies still in flight
         self._offsets = offsets or {}
         self._read = read
         self._read_into = read_into
@@ -206,6 +310,15 @@ class ArchiveSource:
             raise CorruptCheckpointError(
                 f"{self.description}: record {name!r} holds {size} bytes, the skeleton expects {numel}"
             )
+        target = self.targets.get(name)
+        if target is not None and numel:
+            # Straight from the memory tier (pinned: asynchronous) to the device; torch's
+            # restore then finds the storage where it belongs and keeps it.
+            assert self._lend is not None
+            t = torch.empty(numel, dtype=torch.uint8, device=target)
+            t.copy_(_device.host_view(self._lend(name), numel), non_blocking=True)
+            self.devices.add(t.device)
+            return t
         t = self._buffers.pop(name, None)
         if t is not None:
             return t
@@ -213,6 +326,38 @@ class ArchiveSource:
         if numel:
             self._read_into(name, t.data_ptr())
         return t
+
+    def plan_device_copies(self, map_location: Any) -> None:
+        """Finds the records this load restores to a CUDA device (`targets`): only for a
+        source that lends host memory, with CUDA available, and a map_location that is
+        None, a device, a device's name or a dict (a callable decides per storage, after
+        the storage was read: those records are read as usual)."""
+        if self._lend is None or not torch.cuda.is_available():
+            return
+        if "byteorder" in self._sizes and self.get_record("byteorder").decode() != sys.byteorder:
+            return  # torch swaps the bytes of such storages in place
+        if isinstance(map_location, (str, torch.device)):
+            target = _cuda_device(str(map_location))
+            if target is not None:
+                self.targets = {n: target for n in self._sizes if n.startswith("data/")}
+        elif map_location is None or isinstance(map_location, dict):
+            mapping = map_location or {}
+            pkl = self.get_record("data.pkl") if "data.pkl" in self._sizes else b""
+            if b"cuda" not in pkl and not any("cuda" in str(v) for v in mapping.values()):
+                return  # nothing goes to a device
+            for key, location in storage_locations(pkl).items():
+                target = _cuda_device(str(mapping.get(location, location)))
+                if target is not None:
+                    self.targets[f"data/{key}"] = target
+        if self.targets and self._pin is not None:
+            torch.cuda.init()  # the load is about to use CUDA: register the memory first,
+            self._pin()  # copies from pinned memory run at the link's speed
+
+    def finish_device_copies(self) -> None:
+        """Waits until the copies to devices landed (before the lent memory may go)."""
+        for device in self.devices:
+            torch.cuda.current_stream(device).synchronize()
+        self.devices.clear()
 
     def serialization_id(self) -> str:
         try:
@@ -258,9 +403,87 @@ def resolve_weights_only(weights_only: bool | None) -> bool:
     return bool(weights_only)
 
 
+def _cuda_device(location: str) -> torch.device | None:
+    """The CUDA device a storage restored to `location` lands on (None: not CUDA)."""
+    if not location.startswith("cuda"):
+        return None
+    try:
+        device = torch.device(location)
+    except RuntimeError:
+        return None  # torch's own restore reports it
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    return device
+
+
+class _Absorb:
+    """Whatever a skeleton refers to, as an object that accepts everything asked of it
+    while unpickling: nothing of the skeleton is imported or run."""
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "_Absorb":
+        return object.__new__(cls)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    def __call__(self, *args: Any, **kwargs: Any) -> "_Absorb":
+        return _Absorb()
+
+    def __setstate__(self, state: Any) -> None:
+        pass
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        pass
+
+    def append(self, value: Any) -> None:
+        pass
+
+    def extend(self, values: Any) -> None:
+        pass
+
+
+class _LocationReader(pickle.Unpickler):
+    def __init__(self, data: bytes) -> None:
+        super().__init__(io.BytesIO(data))
+        self.found: dict[str, str] = {}
+
+    def find_class(self, module: str, name: str) -> Any:
+        return _Absorb
+
+    def persistent_load(self, pid: Any) -> Any:
+        if isinstance(pid, tuple) and len(pid) == 5:
+            key, location = pid[2], pid[3]
+            self.found[key.decode() if isinstance(key, bytes) else str(key)] = (
+                location.decode() if isinstance(location, bytes) else str(location))
+        return _Absorb()
+
+
+def storage_locations(data_pkl: bytes) -> dict[str, str]:
+    """{storage key: location} of a skeleton's storages (``data/<key>`` records), read
+    without importing or running anything it names; {} when it cannot be read (the load
+    then reads every record as usual, and torch's loader reports what is wrong)."""
+    reader = _LocationReader(data_pkl)
+    try:
+        reader.load()
+    except Exception:
+        return {}
+    return reader.found
+
+
 def load_archive(source: ArchiveSource, map_location: Any, weights_only: bool) -> Any:
-    """Unpickles the skeleton with torch's loader; tensors come from `source`."""
+    """Unpickles the skeleton with torch's loader; tensors come from `source` (records
+    restored to a CUDA device straight from memory the source lends, see
+    ArchiveSource.plan_device_copies)."""
     source.check_index()
+    source.plan_device_copies(map_location)
+    try:
+        return _load_archive(source, map_location, weights_only)
+    finally:
+        if source.devices:
+            source.finish_device_copies()
+
+
+def _load_archive(source: ArchiveSource, map_location: Any, weights_only: bool) -> Any:
     if weights_only:
         from torch import _weights_only_unpickler
 

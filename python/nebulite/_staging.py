@@ -9,7 +9,10 @@ pending copy before any ``torch.optim.Optimizer`` steps (DeepSpeed's and Lightni
 optimizers are such optimizers or wrap one). Only storages that belong to a parameter
 or to the state of an optimizer that has stepped at least once are deferred; every
 other tensor (buffers such as BatchNorm statistics, which change in forward) is
-copied before save() returns.
+copied before save() returns. On a CUDA device (nebulite._device) every copy is issued
+before save() returns and none waits on the host: the device's current stream waits at
+once for the copies of the other tensors, and at the barrier for those of safe storages;
+the barrier commits the checkpoint once the copies landed.
 
 Safe storages are known by identity (weak references to torch's storage objects, which
 torch keeps as long as the storage lives), never by address: an address that a freed
@@ -40,6 +43,9 @@ _waiter: Callable[[], None] | None = None
 
 #: Storages smaller than this are always copied before save() returns.
 MIN_DEFERRED_BYTES = 1 << 20
+#: Where deferred storages may be: host memory (copied by the engine after save()
+#: returns) and CUDA devices (copied by DMA, see nebulite._device).
+_DEVICES = ("cpu", "cuda")
 #: How deep the key paths of a saved object are followed to find its tensors.
 _MAX_DEPTH = 64
 
@@ -48,12 +54,12 @@ def _remember(optimizer: torch.optim.Optimizer) -> None:
     storages = []
     for group in optimizer.param_groups:
         for p in group["params"]:
-            if isinstance(p, torch.Tensor) and p.device.type == "cpu":
+            if isinstance(p, torch.Tensor) and p.device.type in _DEVICES:
                 storages.append(p.untyped_storage())
     for state in optimizer.state.values():
         if isinstance(state, dict):
             for v in state.values():
-                if isinstance(v, torch.Tensor) and v.device.type == "cpu" and v.numel() > 0:
+                if isinstance(v, torch.Tensor) and v.device.type in _DEVICES and v.numel() > 0:
                     storages.append(v.untyped_storage())
     with _lock:
         _safe_storages.update(storages)

@@ -22,7 +22,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from . import _core, _dist, _pinned, _staging, _waiting
+from . import _core, _device, _dist, _pinned, _staging, _waiting
 from ._save_dir import Placeholders
 from ._config import Config, is_store_url, parse_path, parse_seconds, read_threads, store_exists
 from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
@@ -32,6 +32,7 @@ from .errors import (
     FailedPreconditionError,
     InvalidArgumentError,
     InvalidArgumentTypeError,
+    MemoryBudgetError,
     NebuliteError,
     NotFoundError,
     NotInitializedError,
@@ -257,6 +258,7 @@ class _Session:
         self.pending: list[tuple[str, str, str, Any]] = []
         self.held_commits: list[tuple[str, str, int, bool]] = []
         self.staging_errors: list[tuple[str, str]] = []
+        self.sealer = _device.Sealer()  # seals objects whose copies from a device landed
         self.open: dict[str, _OpenVersion] = {}
         self.placeholders = Placeholders()  # DeepSpeed's files in its save_dir
         self.deepspeed_loaded: set[tuple[str, str]] = set()  # versions DeepSpeed loaded
@@ -355,9 +357,11 @@ class _Session:
             return e
         return None
 
-    def wait_staged(self) -> None:
-        """The barrier of asynchronous staging (the optimizer's step pre-hook runs it, and
-        every call that reads or commits): waits until the deferred copies landed, fails
+    def wait_staged(self, on_device: bool = False) -> None:
+        """The barrier of asynchronous staging (the optimizer's step pre-hook runs it with
+        `on_device`, and every call that reads or commits): waits until the deferred copies
+        landed (copies from a device: with `on_device`, the device's current stream waits
+        for them and the host does not; see nebulite._device), fails
         each checkpoint a deferred tensor of which changed since save() (it is abandoned,
         never committed, and a TornCheckpointError waits in staging_errors for the next
         call), commits the others whose commit waited, and lets the sources go."""
@@ -368,11 +372,18 @@ class _Session:
         try:
             self.engine.wait_staged()
         except BaseException:
+            self.sealer.drain()  # no copy may still land in what is abandoned
             for tag, version, _, _ in held:
                 self.engine.abandon(tag, version)
             raise
         torn: dict[tuple[str, str], str] = {}
         for tag, version, name, records in pending:
+            job = getattr(records, "job", None)
+            if job is not None:
+                job.copies.order_after()  # what the device does next waits for the copies
+            if getattr(records, "checked", False):
+                continue
+            records.checked = True  # ordered after its copies now: checked once
             why = records.watch.changed()
             if why is not None and (tag, version) not in torn:
                 torn[(tag, version)] = (
@@ -380,17 +391,63 @@ class _Session:
                     f"{name!r}, {why} after save() and before its bytes were copied (with "
                     "async_staging, change saved tensors only through optimizer.step(), or "
                     "call nebulite.wait_staged() first)")
-        for (tag, version), why in torn.items():
-            self.engine.abandon(tag, version)
-            if tag in self.open and self.open[tag].version == version:
-                del self.open[tag]
-            self.placeholders.abandoned(tag)
-            log.error("nebulite: %s", why)
-            self.staging_errors.append(("Torn", why))
-        for tag, version, seq, persist in held:
-            if (tag, version) not in torn:
+        # Objects copied from a device are sealed once their copies landed: the barrier
+        # before an optimizer step waits on the device only; every other call, on the host.
+        landing: list[tuple[str, str, str, Any]] = []
+        failed: dict[tuple[str, str], str] = {}
+        for entry in pending:
+            job = getattr(entry[3], "job", None)
+            if job is None:
+                continue
+            if not on_device or (entry[0], entry[1]) in torn:
+                job.done.wait()
+            if not job.done.is_set():
+                landing.append(entry)
+            elif job.error is not None and (entry[0], entry[1]) not in torn:
+                failed[(entry[0], entry[1])] = (
+                    f"checkpoint {entry[0]!r} ({entry[1]}) was not committed: staging object "
+                    f"{entry[2]!r} from the device failed: {job.error}")
+        for errors, code in ((torn, "Torn"), (failed, "Staging")):
+            for (tag, version), why in errors.items():
+                self.engine.abandon(tag, version)
+                if tag in self.open and self.open[tag].version == version:
+                    del self.open[tag]
+                self.placeholders.abandoned(tag)
+                log.error("nebulite: %s", why)
+                self.staging_errors.append((code, why))
+        waiting = {(e[0], e[1]) for e in landing}
+        for i, (tag, version, seq, persist) in enumerate(held):
+            if (tag, version) in waiting:  # commits keep their order: the rest waits too
+                self.held_commits = held[i:] + self.held_commits
+                break
+            if (tag, version) not in torn and (tag, version) not in failed:
                 self.engine.commit(tag, version, seq, persist)
                 self.placeholders.committed(tag, version, self.rank)
+        self.pending = landing + self.pending
+
+    def stage_from_device(self, tag: str, version: str, name: str, records: Any,
+                          persist_now: bool) -> None:
+        """Stages an object holding CUDA storages by device-to-host copies into the arena
+        (see nebulite._device). Blocking staging returns once they landed and the object is
+        sealed; with async_staging, once they are issued: the device's current stream waits
+        for the copies of storages that may change before the next optimizer step, and the
+        barrier orders that step after the rest, and commits once they landed."""
+        try:
+            job = _device.stage(self.engine, tag, version, name, records, persist_now,
+                                self.sealer)
+        except MemoryBudgetError:
+            # Larger than the memory tier: the engine streams it from host memory.
+            records.move_to_host()
+            self.engine.stage(tag, version, name, records.records, persist_now)
+            return
+        if not _staging.enabled():
+            job.done.wait()
+            if job.error is not None:
+                raise job.error
+            return
+        job.copies.order_after(unsafe_only=True)
+        records.job = job
+        self.pending.append((tag, version, name, records))  # kept alive until sealed
 
     def waits_for_staging(self, tag: str, version: str) -> bool:
         """True if committing (tag, version) must wait for the barrier: deferred copies of
@@ -507,7 +564,7 @@ def _barrier() -> None:
     """What the optimizer's step pre-hook runs with async_staging (see nebulite._staging)."""
     with _lock:
         if _session is not None:
-            _session.wait_staged()
+            _session.wait_staged(on_device=True)
 
 
 def _config() -> Config | None:
@@ -637,7 +694,10 @@ class Checkpoint:
                 last = self.num_files <= 0 or len(v.names) + 1 >= self.num_files
                 persist_now = (bool(s.root) and s.config.persistent_time_interval == 0 and last
                                and not s.coordinated)
-                s.engine.stage(self.tag, v.version, name, records.records, persist_now)
+                if records.device_copies:
+                    s.stage_from_device(self.tag, v.version, name, records, persist_now)
+                else:
+                    s.engine.stage(self.tag, v.version, name, records.records, persist_now)
             except BaseException:
                 # A checkpoint missing an object is no checkpoint: the version goes, with
                 # the memory and files its earlier objects took (else they would hold the
@@ -817,6 +877,8 @@ def _load_from_lease(lease: Any, c: dict[str, Any], name: str, map_location: Any
         read_into=lambda n, addr: lease.copy_to(n, addr),
         description=f"checkpoint {c['tag']!r} ({c['version']}) object {name!r} in memory",
         offsets={n: offset for n, offset, _ in records},
+        lend=lambda n, base=int(lease.address), at={n: o for n, o, _ in records}: base + at[n],
+        pin=_session.pin_memory_if_cuda if _session is not None else None,
     )
     try:
         return load_archive(source, map_location, weights_only)

@@ -406,6 +406,24 @@ class AgentEngine:
             self._call("seal", **seal)
         return int(r["bytes"]), time.perf_counter() - t0, False, False
 
+    @property
+    def arena_address(self) -> int:
+        """Where this process maps the agent's memory tier."""
+        return self._base
+
+    def reserve(self, tag: str, version: str, name: str,
+                records: list[tuple[str, int]]) -> tuple[int, int, list[tuple[str, int, int]]]:
+        """As `_core.Engine.reserve`: (arena offset, bytes, [(record, offset, size)])."""
+        r = self._call("reserve", tag=tag, version=version, name=name, records=records)
+        return int(r["offset"]), int(r["bytes"]), [(str(n), int(o), int(z)) for n, o, z in r["records"]]
+
+    def seal(self, tag: str, version: str, name: str, persist_now: bool, crcs: list[int]) -> None:
+        self._call("seal", tag=tag, version=version, name=name, persist_now=persist_now,
+                   crcs=list(crcs))
+
+    def discard(self, tag: str, version: str, name: str) -> None:
+        self._call("discard", tag=tag, version=version, name=name)
+
     def _submit(self, job: tuple[Any, ...]) -> None:
         with self._jobs_cv:
             self._jobs.append(job)

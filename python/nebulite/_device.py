@@ -1,0 +1,280 @@
+"""Device-to-host staging: CUDA storages copied into the memory tier by DMA.
+
+A CUDA storage of a saved object is never copied through pageable memory. Its record is
+reserved in the arena (``Engine.reserve``), and the copy is issued on a copy stream of its
+device (one per device, made once), in chunks of `CHUNK_BYTES` so that the link is never
+held long by one copy, after the copy stream waited for the device's current stream (the
+work that produced the bytes). The end of each checkpoint object's copies is marked by one
+event per device, the *landed* event; copies of storages that may change before the next
+optimizer step (see nebulite._staging) come first and are marked by the *unsafe* event.
+
+Lifecycle of one object's copies (`DeviceCopies`):
+  ``add()`` for each storage -> ``finish()`` (records the events; the sources stay alive)
+  -> ``order_after()`` (the current stream waits for the events on the device, the host
+  does not; with async staging, for the unsafe copies at save(), for all of them at the
+  optimizer barrier) -> ``synchronize()`` (the host waits, on the thread that seals the
+  object: nothing reads the arena bytes before they landed) -> the sources go.
+
+The CUDA calls are made through a `CopyBackend`; `CudaBackend` is torch's, and tests of the
+bookkeeping pass a stand-in. Nothing here touches CUDA unless a saved storage is on a CUDA
+device (which implies that CUDA is available and initialised).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import threading
+from typing import Any, Callable, Protocol
+
+import torch
+
+#: The largest single copy issued on a copy stream.
+CHUNK_BYTES = 64 << 20
+
+
+def chunks(nbytes: int, chunk: int = CHUNK_BYTES) -> list[tuple[int, int]]:
+    """[(offset, size)] covering [0, nbytes) in order, each at most `chunk` bytes."""
+    if chunk <= 0:
+        raise ValueError("chunk must be positive")
+    return [(off, min(chunk, nbytes - off)) for off in range(0, nbytes, chunk)]
+
+
+def in_use() -> bool:
+    """True if this process has initialised CUDA: only then may a storage be on a CUDA
+    device (checked first, it is the cheap test)."""
+    return torch.cuda.is_initialized() and torch.cuda.is_available()
+
+
+def is_device_storage(storage: Any) -> bool:
+    return storage.device.type == "cuda"
+
+
+def host_view(address: int, nbytes: int) -> torch.Tensor:
+    """A uint8 CPU tensor over `nbytes` of host memory at `address` (no copy, not owned)."""
+    if nbytes == 0:
+        return torch.empty(0, dtype=torch.uint8)
+    return torch.frombuffer((ctypes.c_uint8 * nbytes).from_address(address), dtype=torch.uint8)
+
+
+def storage_bytes(storage: torch.UntypedStorage) -> torch.Tensor:
+    """A storage as a flat uint8 tensor on its device (no copy)."""
+    t = torch.empty(0, dtype=torch.uint8, device=storage.device)
+    return t.set_(storage, 0, (storage.nbytes(),), (1,))
+
+
+class CopyBackend(Protocol):
+    """The device calls the staging makes (CUDA's, or a stand-in in tests)."""
+
+    def copy_stream(self, device: torch.device) -> Any: ...
+    def wait_current(self, stream: Any, device: torch.device) -> None: ...
+    def copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def record(self, stream: Any) -> Any: ...
+    def order_current_after(self, event: Any, device: torch.device) -> None: ...
+    def synchronize(self, event: Any) -> None: ...
+
+
+class CudaBackend:
+    """Copy streams (one per device, made once) and events through torch.cuda."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._streams: dict[int, Any] = {}
+
+    def copy_stream(self, device: torch.device) -> Any:
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        with self._lock:
+            stream = self._streams.get(index)
+            if stream is None:
+                stream = self._streams[index] = torch.cuda.Stream(device=index)
+            return stream
+
+    def wait_current(self, stream: Any, device: torch.device) -> None:
+        stream.wait_stream(torch.cuda.current_stream(device))
+
+    def copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+        with torch.cuda.stream(stream):
+            dst.copy_(src, non_blocking=True)
+
+    def record(self, stream: Any) -> Any:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def order_current_after(self, event: Any, device: torch.device) -> None:
+        torch.cuda.current_stream(device).wait_event(event)
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+
+_backend: CopyBackend | None = None
+
+
+def backend() -> CopyBackend:
+    global _backend
+    if _backend is None:
+        _backend = CudaBackend()
+    return _backend
+
+
+class DeviceCopies:
+    """The device-to-host copies of one checkpoint object (see the module's lifecycle).
+    Used by one thread at a time: the saving thread, then the sealing one."""
+
+    def __init__(self, copier: CopyBackend | None = None, chunk: int = CHUNK_BYTES) -> None:
+        self._backend = copier if copier is not None else backend()
+        self._chunk = chunk
+        self._sources: list[Any] = []  # kept alive until the copies landed
+        self._streams: dict[torch.device, Any] = {}  # device -> its copy stream, waited on
+        self._queued: list[tuple[bool, torch.device, Any, int, int, Any]] = []
+        self.unsafe: list[tuple[torch.device, Any]] = []  # (device, event) per device
+        self.landed: list[tuple[torch.device, Any]] = []
+        self.ordered = False  # the current streams wait for every copy
+        self.spans: list[tuple[int, int, int]] = []  # (record index, host address, size)
+
+    def add(self, index: int, storage: Any, address: int, nbytes: int, safe: bool) -> None:
+        """Queues record `index`: `nbytes` of device `storage` into host `address`; `safe`
+        storages may change only at the next optimizer step."""
+        self._sources.append(storage)
+        self._queued.append((safe, storage.device, storage, address, nbytes, index))
+        self.spans.append((index, address, nbytes))
+
+    def _issue(self, safe: bool) -> None:
+        for is_safe, device, storage, address, nbytes, _ in self._queued:
+            if is_safe != safe or nbytes == 0:
+                continue
+            stream = self._streams.get(device)
+            if stream is None:
+                stream = self._streams[device] = self._backend.copy_stream(device)
+                self._backend.wait_current(stream, device)
+            src = storage_bytes(storage)
+            dst = host_view(address, nbytes)
+            for off, size in chunks(nbytes, self._chunk):
+                self._backend.copy(stream, dst[off:off + size], src[off:off + size])
+
+    def _mark(self) -> list[tuple[torch.device, Any]]:
+        return [(device, self._backend.record(stream)) for device, stream in self._streams.items()]
+
+    def finish(self) -> None:
+        """Issues the copies, unsafe ones first, and records the events."""
+        self._issue(safe=False)
+        self.unsafe = self._mark()
+        self._issue(safe=True)
+        self.landed = self._mark()
+        self._queued.clear()
+
+    def order_after(self, unsafe_only: bool = False) -> None:
+        """The devices' current streams wait for the copies (of unsafe storages only, or
+        all); the host does not wait."""
+        if self.ordered:
+            return
+        for device, event in (self.unsafe if unsafe_only else self.landed):
+            self._backend.order_current_after(event, device)
+        self.ordered = not unsafe_only
+
+    def synchronize(self) -> None:
+        """Waits on the host until every copy landed; lets the sources go."""
+        for _, event in self.landed:
+            self._backend.synchronize(event)
+        self._sources.clear()
+
+
+class Sealer:
+    """Runs, on a thread of its own, what must wait until an object's device copies
+    landed (computing the records' checksums and sealing it), in submission order.
+
+    Lifecycle: ``submit()`` any number of times; ``wait(job)`` or ``drain()`` from any
+    thread; a job's error is kept on it. The thread ends when nothing is queued (the next
+    submit starts another). Thread-safe."""
+
+    class Job:
+        def __init__(self, copies: DeviceCopies, then: Callable[[], None]) -> None:
+            self.copies = copies
+            self.then = then
+            self.done = threading.Event()
+            self.error: BaseException | None = None
+
+    def __init__(self) -> None:
+        self._cv = threading.Condition()
+        self._jobs: list[Sealer.Job] = []
+        self._thread: threading.Thread | None = None
+
+    def submit(self, copies: DeviceCopies, then: Callable[[], None]) -> "Sealer.Job":
+        job = Sealer.Job(copies, then)
+        with self._cv:
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nebulite-device-sealer",
+                                                daemon=True)
+                self._thread.start()
+        return job
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                if not self._jobs:
+                    self._thread = None
+                    self._cv.notify_all()
+                    return
+                job = self._jobs[0]
+            try:
+                job.copies.synchronize()
+                job.then()
+            except BaseException as e:  # reported by the session's next barrier
+                job.error = e
+            with self._cv:
+                self._jobs.pop(0)
+                job.done.set()
+                self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Waits until every submitted job ran."""
+        with self._cv:
+            while self._jobs:
+                self._cv.wait()
+
+
+def stage(engine: Any, tag: str, version: str, name: str, records: Any, persist_now: bool,
+          sealer: Sealer, copier: CopyBackend | None = None,
+          crc: Callable[[int, int], int] | None = None) -> "Sealer.Job":
+    """Stages a flattened object (a nebulite._serialization.RecordCollector) that holds
+    device storages: reserves its image in the arena, copies the host records there at once
+    (computing their CRC-32s), issues the device copies, and hands the sealing (the device
+    records' CRC-32s, once landed, then ``engine.seal``) to `sealer`. Returns the job; the
+    caller waits for it (blocking staging) or leaves it to the optimizer barrier."""
+    from . import _core
+
+    threads = max(1, min(4, os.cpu_count() or 1))  # beside training: a few cores
+    crc = crc if crc is not None else (lambda address, n: int(_core.crc32(address, n, threads)))
+    arena_offset, _, placed = engine.reserve(tag, version, name,
+                                             [(n, size) for n, _, size, _ in records.records])
+    image = int(engine.arena_address) + int(arena_offset)
+    crcs = [0] * len(records.records)
+    host: list[tuple[int, int, int]] = []
+    host_index: list[int] = []
+    copies = DeviceCopies(copier)
+    try:
+        for i, ((_, src, size, deferred), (_, off, _)) in enumerate(zip(records.records, placed)):
+            if i in records.on_device:
+                copies.add(i, records.sources[i], image + int(off), size, deferred)
+            elif size:
+                host.append((image + int(off), src, size))
+                host_index.append(i)
+        for i, c in zip(host_index, _core.copy_many(host, crc=True)):
+            crcs[i] = int(c)
+        copies.finish()
+    except BaseException:
+        engine.discard(tag, version, name)
+        raise
+
+    def seal() -> None:
+        try:
+            for i, address, size in copies.spans:
+                crcs[i] = crc(address, size) if size else 0
+            engine.seal(tag, version, name, persist_now, crcs)
+        except BaseException:
+            engine.discard(tag, version, name)
+            raise
+
+    return sealer.submit(copies, seal)

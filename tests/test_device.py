@@ -1,0 +1,332 @@
+"""Device-to-host staging (nebulite._device), on the CPU.
+
+The copies, events and streams are driven through a stand-in backend: host storages play
+the device's, and a copy runs when the stand-in "device" would run it (when a stream is
+made to wait for its event, or when the host synchronizes with it). Everything a CUDA
+device adds is in tests/test_gpu.py.
+"""
+
+from __future__ import annotations
+
+import pickle
+import threading
+from typing import Any
+
+import pytest
+import torch
+
+import nebulite as nm
+from nebulite import _device, _plan, _serialization
+from nebulite._serialization import RecordCollector, flatten, save_skeleton
+from nebulite.errors import TornCheckpointError
+
+HANG = 600.0
+
+
+class FakeStream:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.queue: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.ran = 0
+
+
+class FakeEvent:
+    def __init__(self, stream: FakeStream) -> None:
+        self.stream = stream
+        self.upto = len(stream.queue)
+
+
+class FakeDevice:
+    """A CopyBackend whose copies run when the device would have run them. Closing the
+    `gate` keeps host synchronizations from completing (copies that have not landed)."""
+
+    def __init__(self) -> None:
+        self.log: list[tuple[Any, ...]] = []
+        self.gate = threading.Event()
+        self.gate.set()
+        self._lock = threading.Lock()
+        self.streams: dict[torch.device, FakeStream] = {}
+
+    def copy_stream(self, device: torch.device) -> FakeStream:
+        with self._lock:
+            return self.streams.setdefault(device, FakeStream(device))
+
+    def wait_current(self, stream: FakeStream, device: torch.device) -> None:
+        self.log.append(("wait_current", device))
+
+    def copy(self, stream: FakeStream, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self.log.append(("copy", int(src.numel())))
+        stream.queue.append((dst, src))
+
+    def record(self, stream: FakeStream) -> FakeEvent:
+        self.log.append(("record", len(stream.queue)))
+        return FakeEvent(stream)
+
+    def _run(self, event: FakeEvent) -> None:
+        with self._lock:
+            s = event.stream
+            while s.ran < event.upto:
+                dst, src = s.queue[s.ran]
+                dst.copy_(src)
+                s.ran += 1
+
+    def order_current_after(self, event: FakeEvent, device: torch.device) -> None:
+        self.log.append(("order", event.upto))
+        self._run(event)  # what the device runs next runs after these copies
+
+    def synchronize(self, event: FakeEvent) -> None:
+        assert self.gate.wait(HANG)
+        self.log.append(("synchronize", event.upto))
+        self._run(event)
+
+
+def test_chunks_cover_the_bytes_in_order_each_at_most_a_chunk():
+    assert _device.chunks(0) == []
+    assert _device.chunks(10, 4) == [(0, 4), (4, 4), (8, 2)]
+    assert _device.chunks(8, 4) == [(0, 4), (4, 4)]
+    got = _device.chunks(5 * _device.CHUNK_BYTES + 3)
+    assert all(size <= _device.CHUNK_BYTES for _, size in got)
+    assert sum(size for _, size in got) == 5 * _device.CHUNK_BYTES + 3
+    assert [off for off, _ in got] == [i * _device.CHUNK_BYTES for i in range(6)]
+    with pytest.raises(ValueError):
+        _device.chunks(10, 0)
+
+
+def test_without_cuda_in_use_nothing_is_copied_from_a_device():
+    assert not _device.in_use() or torch.cuda.is_available()
+    state = {"w": torch.randn(1 << 19), "b": torch.randn(3)}
+    records = flatten(state, tag="t", name="m", rank=0, version="v")
+    assert not records.device_copies
+    assert records.on_device == set()
+
+
+def _records(obj: Any, save: Any) -> tuple[RecordCollector, list[tuple[str, bytes]]]:
+    c = RecordCollector()
+    save(obj, c, pickle, 2, False)
+    out = []
+    for (name, _, size, _), src in zip(c.records, c.sources):
+        out.append((name, bytes(src) if isinstance(src, bytes) else ("storage", src.data_ptr(), size)))
+    return c, out
+
+
+class Custom:
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+        self.n = 3
+
+
+def _objects() -> list[Any]:
+    base = torch.arange(4096, dtype=torch.float32)
+    return [
+        {"w": torch.randn(33, 7), "i": torch.arange(5), "b": torch.zeros(3, dtype=torch.bool)},
+        {"view": base[10:20], "t": base[:1024].view(32, 32).t(), "s": base[::3], "base": base},
+        [torch.randn(2, dtype=dt) for dt in (torch.float16, torch.bfloat16, torch.complex64)],
+        {"p": torch.nn.Parameter(torch.randn(4)), "custom": Custom(torch.ones(2)), "x": 1.5,
+         "none": None, "nested": ({"a": [torch.empty(0)]},)},
+        torch.nn.Linear(4, 3).state_dict(),
+        {"typed": torch.arange(6, dtype=torch.int16).untyped_storage()},
+    ]
+
+
+@pytest.mark.parametrize("i", range(len(_objects())))
+def test_the_skeleton_writer_writes_what_torch_save_writes(i):
+    obj = _objects()[i]
+    _, theirs = _records(obj, torch.serialization._save)
+    _, ours = _records(obj, save_skeleton)
+    assert ours == theirs
+
+
+def test_the_skeleton_writer_refuses_what_torch_save_refuses():
+    base = torch.arange(8, dtype=torch.float32)
+    bad = {"a": base, "b": base.view(torch.int32)}  # one storage seen as two types
+    with pytest.raises(RuntimeError) as theirs:
+        _records(bad, torch.serialization._save)
+    with pytest.raises(RuntimeError) as ours:
+        _records(bad, save_skeleton)
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_objects_flattened_by_the_skeleton_writer_load_with_torch_load(store, monkeypatch):
+    monkeypatch.setattr(_device, "in_use", lambda: True)  # as on a machine using CUDA
+    nm.init(persistent_storage_path=store)
+    state = _objects()[1]
+    nm.Checkpoint("t").save("s", state)
+    nm.flush_persistence()
+    got = torch.load(nm.get_latest_checkpoint_path("s"), weights_only=True)
+    for k, t in state.items():
+        assert torch.equal(got[k], t) and got[k].stride() == t.stride(), k
+    assert got["view"].untyped_storage().data_ptr() == got["base"].untyped_storage().data_ptr()
+
+
+def test_copies_are_chunked_unsafe_first_and_marked_by_events():
+    fake = FakeDevice()
+    copies = _device.DeviceCopies(fake, chunk=1000)
+    safe = torch.arange(2500, dtype=torch.uint8).untyped_storage()
+    unsafe = torch.arange(1200, dtype=torch.uint8).flip(0).untyped_storage()
+    host = torch.zeros(3700, dtype=torch.uint8)
+    address = host.data_ptr()
+    copies.add(0, safe, address, 2500, safe=True)
+    copies.add(1, unsafe, address + 2500, 1200, safe=False)
+    copies.finish()
+    assert fake.log == [("wait_current", torch.device("cpu")),
+                        ("copy", 1000), ("copy", 200), ("record", 2),
+                        ("copy", 1000), ("copy", 1000), ("copy", 500), ("record", 5)]
+    assert not host.any()  # nothing ran on the "device" yet
+    copies.order_after(unsafe_only=True)
+    assert torch.equal(host[2500:], torch.arange(1200, dtype=torch.uint8).flip(0))
+    assert not host[:2500].any()
+    copies.order_after()
+    copies.order_after()  # once ordered, never again
+    assert [e for e in fake.log if e[0] == "order"] == [("order", 2), ("order", 5)]
+    assert torch.equal(host[:2500], torch.arange(2500, dtype=torch.uint8))
+    copies.synchronize()
+    assert copies._sources == []  # the sources go once the copies landed
+    assert copies.spans == [(0, address, 2500), (1, address + 2500, 1200)]
+
+
+def test_the_sealer_runs_jobs_in_order_after_their_copies_and_keeps_errors():
+    fake = FakeDevice()
+    fake.gate.clear()
+    sealer = _device.Sealer()
+    ran: list[int] = []
+    jobs = []
+    host = torch.zeros(3, dtype=torch.uint8)
+    for k in range(3):
+        copies = _device.DeviceCopies(fake)
+        copies.add(0, torch.ones(1, dtype=torch.uint8).untyped_storage(), host.data_ptr() + k, 1,
+                   safe=True)
+        copies.finish()
+
+        def then(k: int = k) -> None:
+            ran.append(k)
+            if k == 1:
+                raise RuntimeError("seal failed")
+        jobs.append(sealer.submit(copies, then))
+    assert not jobs[0].done.wait(0.05)
+    fake.gate.set()
+    sealer.drain()
+    assert ran == [0, 1, 2]
+    assert [j.error is not None for j in jobs] == [False, True, False]
+    assert all(j.done.is_set() for j in jobs)
+    assert host.tolist() == [1, 1, 1]
+
+
+@pytest.fixture
+def fake_device(monkeypatch) -> FakeDevice:
+    """Saves copy every storage as if it were on a device, through a FakeDevice."""
+    fake = FakeDevice()
+    monkeypatch.setattr(_device, "_backend", fake)
+    original = RecordCollector.write_record
+
+    def write_record(self: RecordCollector, name: str, data: Any, nbytes: int) -> None:
+        original(self, name, data, nbytes)
+        if not isinstance(self.sources[-1], bytes):
+            n, _, size, deferred = self.records[-1]
+            self.records[-1] = (n, 0, size, deferred)
+            self.on_device.add(len(self.records) - 1)
+
+    monkeypatch.setattr(RecordCollector, "write_record", write_record)
+    return fake
+
+
+@pytest.fixture(params=["embedded", "agent"])
+def mode(request, monkeypatch):
+    if request.param == "agent":
+        request.getfixturevalue("agent_env")
+        monkeypatch.setenv("NEBULITE_AGENT", "1")
+    return request.param
+
+
+def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.BatchNorm1d(1024),
+                                torch.nn.Linear(1024, 512))
+    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
+
+
+def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
+    model(torch.randn(8, 512)).square().mean().backward()
+    opt.step()
+    opt.zero_grad()
+
+
+def test_blocking_staging_returns_once_the_copies_landed_and_the_object_is_sealed(
+        store, mode, fake_device):
+    nm.init(persistent_storage_path=store, persistent_time_interval=0)
+    model, opt = _model()
+    _step(model, opt)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    nm.Checkpoint("b").save("model", model.state_dict())
+    assert any(e[0] == "synchronize" for e in fake_device.log)
+    assert not nm.api._session.pending
+    _step(model, opt)
+    got = nm.get_latest_checkpoint().load("model")
+    for k, t in state.items():
+        assert torch.equal(got[k], t), k
+    nm.flush_persistence()
+    got = torch.load(nm.get_latest_checkpoint_path("model"), weights_only=True)  # CRCs held
+    assert all(torch.equal(got[k], t) for k, t in state.items())
+
+
+def test_async_staging_orders_the_step_after_the_copies_and_commits_once_they_landed(
+        store, mode, fake_device):
+    nm.init(persistent_storage_path=store, async_staging=True, num_of_version_in_retention=0)
+    model, opt = _model()
+    _step(model, opt)  # the optimizer's storages are known to be safe from now on
+    fake_device.gate.clear()  # the copies do not land before we say so
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_opt = opt.state_dict()["state"][0]["exp_avg"].clone()
+    ck = nm.Checkpoint("a", 2)
+    ck.save("model", model.state_dict())  # returns with the copies issued, not landed
+    ck.save("optimizer", opt.state_dict())
+    s = nm.api._session
+    assert s.pending and s.held_commits
+    _step(model, opt)  # the barrier: ordered after the copies on the device, host not held
+    assert s.held_commits, "committed before its bytes landed"
+    assert not any(v["tag"] == "a" for v in s.engine.versions())
+    fake_device.gate.set()
+    got = nm.get_checkpoint(tag="a")
+    assert got.tag == "a"
+    model_got = got.load("model")
+    for k, t in expected.items():
+        assert torch.equal(model_got[k], t), k
+    assert torch.equal(got.load("optimizer")["state"][0]["exp_avg"], expected_opt)
+
+
+def test_async_staging_fails_a_checkpoint_changed_before_the_barrier(store, mode, fake_device):
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _model()
+    _step(model, opt)
+    fake_device.gate.clear()
+    nm.Checkpoint("torn").save("model", model.state_dict())
+    with torch.no_grad():
+        model[0].weight.add_(1)  # raced with the copy on a device
+    fake_device.gate.set()
+    with pytest.raises(TornCheckpointError, match="0.weight"):
+        nm.wait_staged()
+    assert nm.get_checkpoint(tag="torn").tag == ""
+
+
+def test_async_staging_commits_in_order_when_a_later_barrier_finds_the_copies_landed(
+        store, fake_device):
+    nm.init(async_staging=True)
+    model, opt = _model()
+    _step(model, opt)
+    fake_device.gate.clear()
+    nm.Checkpoint("one").save("model", model.state_dict())
+    nm.Checkpoint("two").save("model", model.state_dict())
+    _step(model, opt)
+    s = nm.api._session
+    assert [c[0] for c in s.held_commits] == ["one", "two"]
+    fake_device.gate.set()
+    s.sealer.drain()
+    _step(model, opt)  # the next barrier commits both, in order
+    assert not s.held_commits and not s.pending
+    assert [v["tag"] for v in s.engine.versions()][-2:] == ["one", "two"]
+
+
+def test_a_cpu_only_plan_key_is_unchanged_by_device_support():
+    t = torch.randn(3, 4)
+    key = _plan.walk({"t": t}).key
+    assert key is not None
+    assert (torch.Tensor, torch.float32, t.shape, t.stride(), 0, False, 0, 48) in key
