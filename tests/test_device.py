@@ -54,9 +54,10 @@ class FakeDevice:
     def wait_current(self, stream: FakeStream, device: torch.device) -> None:
         self.log.append(("wait_current", device))
 
-    def copy(self, stream: FakeStream, dst: torch.Tensor, src: torch.Tensor) -> None:
-        self.log.append(("copy", int(src.numel())))
-        stream.queue.append((dst, src))
+    def copy(self, stream: FakeStream, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        for dst, src in pairs:
+            self.log.append(("copy", int(src.numel())))
+            stream.queue.append((dst, src))
 
     def record(self, stream: FakeStream) -> FakeEvent:
         self.log.append(("record", len(stream.queue)))
@@ -165,8 +166,8 @@ def test_copies_are_chunked_unsafe_first_and_marked_by_events():
     unsafe = torch.arange(1200, dtype=torch.uint8).flip(0).untyped_storage()
     host = torch.zeros(3700, dtype=torch.uint8)
     address = host.data_ptr()
-    copies.add(0, safe, address, 2500, safe=True)
-    copies.add(1, unsafe, address + 2500, 1200, safe=False)
+    copies.add(0, safe, host[:2500], safe=True)
+    copies.add(1, unsafe, host[2500:], safe=False)
     copies.finish()
     assert fake.log == [("wait_current", torch.device("cpu")),
                         ("copy", 1000), ("copy", 200), ("record", 2),
@@ -184,6 +185,24 @@ def test_copies_are_chunked_unsafe_first_and_marked_by_events():
     assert copies.spans == [(0, address, 2500), (1, address + 2500, 1200)]
 
 
+def test_the_host_sees_the_copies_land_group_by_group_in_the_order_issued():
+    fake = FakeDevice()
+    copies = _device.DeviceCopies(fake, chunk=100, group=250)
+    host = torch.zeros(1000, dtype=torch.uint8)
+    sources = [torch.full((200,), k + 1, dtype=torch.uint8).untyped_storage() for k in range(5)]
+    for k, src in enumerate(sources):
+        copies.add(k, src, host[200 * k:200 * (k + 1)], safe=k != 2)
+    copies.finish()
+    # unsafe first (record 2); then the safe ones, an event after every 250 bytes or more
+    assert [e for e in fake.log if e[0] == "record"] == [("record", 2), ("record", 6), ("record", 10)]
+    landed = []
+    for index, address, size in copies.landing():
+        assert size == 200 and bool((host[200 * index:200 * (index + 1)] == index + 1).all())
+        landed.append(index)
+    assert landed == [2, 0, 1, 3, 4]
+    assert copies._sources == []
+
+
 def test_the_sealer_runs_jobs_in_order_after_their_copies_and_keeps_errors():
     fake = FakeDevice()
     fake.gate.clear()
@@ -193,11 +212,11 @@ def test_the_sealer_runs_jobs_in_order_after_their_copies_and_keeps_errors():
     host = torch.zeros(3, dtype=torch.uint8)
     for k in range(3):
         copies = _device.DeviceCopies(fake)
-        copies.add(0, torch.ones(1, dtype=torch.uint8).untyped_storage(), host.data_ptr() + k, 1,
-                   safe=True)
+        copies.add(0, torch.ones(1, dtype=torch.uint8).untyped_storage(), host[k:k + 1], safe=True)
         copies.finish()
 
-        def then(k: int = k) -> None:
+        def then(k: int = k, copies: _device.DeviceCopies = copies) -> None:
+            copies.synchronize()
             ran.append(k)
             if k == 1:
                 raise RuntimeError("seal failed")

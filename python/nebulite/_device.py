@@ -25,12 +25,14 @@ from __future__ import annotations
 import ctypes
 import os
 import threading
-from typing import Any, Callable, Protocol
+from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
 #: The largest single copy issued on a copy stream.
 CHUNK_BYTES = 64 << 20
+#: Bytes issued on a stream between two events whose landing the host checks as it comes.
+GROUP_BYTES = 256 << 20
 
 
 def chunks(nbytes: int, chunk: int = CHUNK_BYTES) -> list[tuple[int, int]]:
@@ -68,7 +70,7 @@ class CopyBackend(Protocol):
 
     def copy_stream(self, device: torch.device) -> Any: ...
     def wait_current(self, stream: Any, device: torch.device) -> None: ...
-    def copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None: ...
+    def copy(self, stream: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None: ...
     def record(self, stream: Any) -> Any: ...
     def order_current_after(self, event: Any, device: torch.device) -> None: ...
     def synchronize(self, event: Any) -> None: ...
@@ -92,9 +94,10 @@ class CudaBackend:
     def wait_current(self, stream: Any, device: torch.device) -> None:
         stream.wait_stream(torch.cuda.current_stream(device))
 
-    def copy(self, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> None:
+    def copy(self, stream: Any, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
         with torch.cuda.stream(stream):
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
 
     def record(self, stream: Any) -> Any:
         event = torch.cuda.Event()
@@ -120,48 +123,76 @@ def backend() -> CopyBackend:
 
 class DeviceCopies:
     """The device-to-host copies of one checkpoint object (see the module's lifecycle).
-    Used by one thread at a time: the saving thread, then the sealing one."""
+    Used by one thread at a time: the saving thread, then the sealing one.
 
-    def __init__(self, copier: CopyBackend | None = None, chunk: int = CHUNK_BYTES) -> None:
+    Besides the two events of each device, an event is recorded after every `group` bytes
+    issued on a stream, so that the host can check the bytes that landed (their CRC-32)
+    while the rest is still being copied: ``landing()``."""
+
+    def __init__(self, copier: CopyBackend | None = None, chunk: int = CHUNK_BYTES,
+                 group: int = GROUP_BYTES) -> None:
         self._backend = copier if copier is not None else backend()
         self._chunk = chunk
+        self._group = group
         self._sources: list[Any] = []  # kept alive until the copies landed
         self._streams: dict[torch.device, Any] = {}  # device -> its copy stream, waited on
-        self._queued: list[tuple[bool, torch.device, Any, int, int, Any]] = []
+        self._queued: list[tuple[bool, Any, torch.Tensor, int]] = []  # (safe, storage, host, span)
+        # (event, spans) in the order issued: the spans (indexes into `spans`) landed once
+        # the event completed
+        self._progress: list[tuple[Any, list[int]]] = []
         self.unsafe: list[tuple[torch.device, Any]] = []  # (device, event) per device
         self.landed: list[tuple[torch.device, Any]] = []
         self.ordered = False  # the current streams wait for every copy
         self.spans: list[tuple[int, int, int]] = []  # (record index, host address, size)
 
-    def add(self, index: int, storage: Any, address: int, nbytes: int, safe: bool) -> None:
-        """Queues record `index`: `nbytes` of device `storage` into host `address`; `safe`
-        storages may change only at the next optimizer step."""
+    def add(self, index: int, storage: Any, host: torch.Tensor, safe: bool) -> None:
+        """Queues record `index`: device `storage` into `host` (a uint8 CPU tensor of its
+        size, in the arena); `safe` storages may change only at the next optimizer step."""
         self._sources.append(storage)
-        self._queued.append((safe, storage.device, storage, address, nbytes, index))
-        self.spans.append((index, address, nbytes))
+        self._queued.append((safe, storage, host, len(self.spans)))
+        self.spans.append((index, int(host.data_ptr()), int(host.numel())))
 
-    def _issue(self, safe: bool) -> None:
-        for is_safe, device, storage, address, nbytes, _ in self._queued:
+    def _issue(self, safe: bool) -> list[tuple[torch.device, Any]]:
+        """Issues the copies of safe (or unsafe) storages; returns each device's last event."""
+        # device -> groups of ([(dst, src)], [span], bytes)
+        groups: dict[torch.device, list[tuple[list[tuple[torch.Tensor, torch.Tensor]], list[int], int]]] = {}
+        for is_safe, storage, host, span in self._queued:
+            nbytes = int(host.numel())
             if is_safe != safe or nbytes == 0:
                 continue
-            stream = self._streams.get(device)
-            if stream is None:
+            device = storage.device
+            if device not in self._streams:
                 stream = self._streams[device] = self._backend.copy_stream(device)
                 self._backend.wait_current(stream, device)
+            mine = groups.setdefault(device, [])
+            if not mine or mine[-1][2] >= self._group:
+                mine.append(([], [], 0))
+            pairs, spans, size = mine[-1]
             src = storage_bytes(storage)
-            dst = host_view(address, nbytes)
-            for off, size in chunks(nbytes, self._chunk):
-                self._backend.copy(stream, dst[off:off + size], src[off:off + size])
-
-    def _mark(self) -> list[tuple[torch.device, Any]]:
-        return [(device, self._backend.record(stream)) for device, stream in self._streams.items()]
+            if nbytes <= self._chunk:
+                pairs.append((host, src))
+            else:
+                pairs.extend((host[off:off + n], src[off:off + n])
+                             for off, n in chunks(nbytes, self._chunk))
+            spans.append(span)
+            mine[-1] = (pairs, spans, size + nbytes)
+        last: list[tuple[torch.device, Any]] = []
+        for device, mine in groups.items():
+            stream = self._streams[device]
+            event = None
+            for pairs, spans, _ in mine:
+                self._backend.copy(stream, pairs)
+                event = self._backend.record(stream)
+                self._progress.append((event, spans))
+            last.append((device, event))
+        return last
 
     def finish(self) -> None:
         """Issues the copies, unsafe ones first, and records the events."""
-        self._issue(safe=False)
-        self.unsafe = self._mark()
-        self._issue(safe=True)
-        self.landed = self._mark()
+        self.unsafe = self._issue(safe=False)
+        last = dict(self.unsafe)  # a stream's last event: every copy on it landed
+        last.update(self._issue(safe=True))
+        self.landed = list(last.items())
         self._queued.clear()
 
     def order_after(self, unsafe_only: bool = False) -> None:
@@ -173,16 +204,26 @@ class DeviceCopies:
             self._backend.order_current_after(event, device)
         self.ordered = not unsafe_only
 
+    def landing(self) -> Iterator[tuple[int, int, int]]:
+        """Waits on the host for the copies, group by group, yielding the spans (record
+        index, host address, size) as they land; the sources go once all landed."""
+        progress, self._progress = self._progress, []
+        for event, spans in progress:
+            self._backend.synchronize(event)
+            for span in spans:
+                yield self.spans[span]
+        self._sources.clear()
+
     def synchronize(self) -> None:
         """Waits on the host until every copy landed; lets the sources go."""
-        for _, event in self.landed:
-            self._backend.synchronize(event)
-        self._sources.clear()
+        for _ in self.landing():
+            pass
 
 
 class Sealer:
     """Runs, on a thread of its own, what must wait until an object's device copies
-    landed (computing the records' checksums and sealing it), in submission order.
+    landed (computing the records' checksums as they land, see DeviceCopies.landing, and
+    sealing it), in submission order; each job's copies have landed when it is done.
 
     Lifecycle: ``submit()`` any number of times; ``wait(job)`` or ``drain()`` from any
     thread; a job's error is kept on it. The thread ends when nothing is queued (the next
@@ -219,10 +260,11 @@ class Sealer:
                     return
                 job = self._jobs[0]
             try:
-                job.copies.synchronize()
                 job.then()
             except BaseException as e:  # reported by the session's next barrier
                 job.error = e
+            finally:
+                job.copies.synchronize()  # no copy may still land once the job is done
             with self._cv:
                 self._jobs.pop(0)
                 job.done.set()
@@ -247,9 +289,10 @@ def stage(engine: Any, tag: str, version: str, name: str, records: Any, persist_
 
     threads = max(1, min(4, os.cpu_count() or 1))  # beside training: a few cores
     crc = crc if crc is not None else (lambda address, n: int(_core.crc32(address, n, threads)))
-    arena_offset, _, placed = engine.reserve(tag, version, name,
+    arena_offset, nbytes, placed = engine.reserve(tag, version, name,
                                              [(n, size) for n, _, size, _ in records.records])
     image = int(engine.arena_address) + int(arena_offset)
+    view = host_view(image, int(nbytes))  # the object's image in the arena
     crcs = [0] * len(records.records)
     host: list[tuple[int, int, int]] = []
     host_index: list[int] = []
@@ -257,7 +300,7 @@ def stage(engine: Any, tag: str, version: str, name: str, records: Any, persist_
     try:
         for i, ((_, src, size, deferred), (_, off, _)) in enumerate(zip(records.records, placed)):
             if i in records.on_device:
-                copies.add(i, records.sources[i], image + int(off), size, deferred)
+                copies.add(i, records.sources[i], view[int(off):int(off) + size], deferred)
             elif size:
                 host.append((image + int(off), src, size))
                 host_index.append(i)
@@ -270,7 +313,7 @@ def stage(engine: Any, tag: str, version: str, name: str, records: Any, persist_
 
     def seal() -> None:
         try:
-            for i, address, size in copies.spans:
+            for i, address, size in copies.landing():
                 crcs[i] = crc(address, size) if size else 0
             engine.seal(tag, version, name, persist_now, crcs)
         except BaseException:

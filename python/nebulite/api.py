@@ -683,7 +683,7 @@ class Checkpoint:
             s.pin_memory_if_cuda()  # once, when this process has started using CUDA
             try:
                 records = flatten(obj, tag=self.tag, name=name, rank=s.rank, version=v.version)
-                if records.deferred:
+                if records.deferred and not records.device_copies:
                     s.pending.append((self.tag, v.version, name, records))  # kept alive until staged
                 # With an interval of 0 every checkpoint is persisted: start writing now,
                 # unless more objects of this checkpoint follow (num_files): writing would
