@@ -7,8 +7,10 @@ Figures, side by side:
 - D2H bandwidth: a blocking nebulite save of the state (from device memory to the memory
   tier) against a plain ``pinned.copy_(cuda, non_blocking=True)`` of the same bytes into
   pinned host memory (target: nebulite >= 90% of it);
-- host time per save with ``async_staging=True`` (target: <= 1 ms per object), and
-  until staged;
+- host time per save with ``async_staging=True`` (target: <= 1 ms per object: the copies
+  are issued on a copy stream and save() returns), and until staged (landed and sealed);
+- H2D bandwidth of ``load(map_location="cuda:0")`` from the memory tier against a plain
+  pinned copy of the same bytes;
 - ``torch.save`` to a file and DCP ``async_save`` with its pinned, cached async stager:
   blocking time per save of the same state;
 - a training step with a checkpoint every step against none (target: >= 95%).
@@ -44,18 +46,26 @@ def _sync() -> None:
     torch.cuda.synchronize()
 
 
-def pinned_copy_bandwidth(state: dict[str, torch.Tensor]) -> float:
+def pinned_copy_bandwidth(state: dict[str, torch.Tensor]) -> tuple[float, float]:
+    """(D2H, H2D) bytes per second of plain non-blocking copies between the state and
+    pinned host memory."""
     host = {k: torch.empty(v.shape, dtype=v.dtype, pin_memory=True) for k, v in state.items()}
-    for _ in range(2):
-        _sync()
-        t0 = time.perf_counter()
-        for k, v in state.items():
-            host[k].copy_(v, non_blocking=True)
-        _sync()
-        dt = time.perf_counter() - t0
     nbytes = sum(v.nbytes for v in state.values())
+    out = []
+    for to_host in (True, False):
+        for _ in range(2):
+            _sync()
+            t0 = time.perf_counter()
+            for k, v in state.items():
+                if to_host:
+                    host[k].copy_(v, non_blocking=True)
+                else:
+                    v.copy_(host[k], non_blocking=True)
+            _sync()
+            dt = time.perf_counter() - t0
+        out.append(nbytes / dt)
     del host
-    return nbytes / dt
+    return out[0], out[1]
 
 
 def nebulite_saves(state: dict[str, torch.Tensor], d: str, async_staging: bool,
@@ -79,8 +89,15 @@ def nebulite_saves(state: dict[str, torch.Tensor], d: str, async_staging: bool,
             if i:
                 blocking.append(t1 - t0)
                 staged.append(t2 - t0)
+        _sync()
+        t0 = time.perf_counter()
+        loaded = nm.get_latest_checkpoint().load("state", map_location="cuda:0")
+        _sync()
+        load_s = time.perf_counter() - t0
+        del loaded
+        torch.cuda.empty_cache()
         return {"blocking_s": statistics.median(blocking), "staged_s": statistics.median(staged),
-                "bandwidth": nbytes / statistics.median(staged),
+                "bandwidth": nbytes / statistics.median(staged), "load_bandwidth": nbytes / load_s,
                 "pinned": bool(nm.session_info()["memory_pinned"])}
     finally:
         nm.shutdown()
@@ -136,10 +153,10 @@ def step_times(d: str, steps: int) -> dict[str, float]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--gb", type=float, default=10.0, help="state size in GB")
-    ap.add_argument("--tensors", type=int, default=100)
-    ap.add_argument("--reps", type=int, default=3)
-    ap.add_argument("--steps", type=int, default=10)
-    ap.add_argument("--dir", default=None)
+    ap.add_argument("--tensors", type=int, default=100, help="CUDA tensors in the state")
+    ap.add_argument("--reps", type=int, default=3, help="timed saves of each kind")
+    ap.add_argument("--steps", type=int, default=10, help="timed training steps of each kind")
+    ap.add_argument("--dir", default=None, help="where the files go (default: a temporary directory)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("bench_gpu: no CUDA device: nothing to measure")
@@ -150,7 +167,7 @@ def main() -> None:
         state = cuda_state(int(args.gb * GB), args.tensors)
         nbytes = sum(v.nbytes for v in state.values())
         print(f"state: {nbytes / GB:.2f} GB in {len(state)} CUDA tensors, {torch.cuda.get_device_name()}")
-        out["pinned_copy"] = pinned_copy_bandwidth(state)
+        out["pinned_copy"], out["pinned_h2d"] = pinned_copy_bandwidth(state)
         out["blocking"] = nebulite_saves(state, base, False, args.reps)
         out["async"] = nebulite_saves(state, base, True, args.reps)
         dcp = dcp_async.async_save_times(state, base, args.reps)
@@ -165,10 +182,13 @@ def main() -> None:
     print(f"D2H bandwidth: nebulite blocking save {b['bandwidth'] / GB:.2f} GB/s (memory tier "
           f"pinned: {b['pinned']}), plain pinned copy_ {out['pinned_copy'] / GB:.2f} GB/s: "
           f"{100 * b['bandwidth'] / out['pinned_copy']:.0f}% (target >= 90%)")
-    print(f"blocking per save: nebulite {b['blocking_s']:.4f} s, nebulite async {a['blocking_s']:.4f} s "
-          f"(target <= 0.001 s per object), DCP async_save (pinned async stager) "
-          f"{out['dcp']['blocking_s']:.4f} s, torch.save {out['torch.save']:.4f} s")
+    print(f"host time per save (1 object): nebulite {b['blocking_s']:.4f} s, nebulite async "
+          f"{a['blocking_s']:.4f} s (target <= 0.001 s per object), DCP async_save (pinned async "
+          f"stager) {out['dcp']['blocking_s']:.4f} s, torch.save {out['torch.save']:.4f} s")
     print(f"until staged: nebulite async {a['staged_s']:.4f} s, DCP {out['dcp']['staged_s']:.4f} s")
+    print(f"H2D bandwidth: nebulite load(map_location='cuda:0') from the memory tier "
+          f"{b['load_bandwidth'] / GB:.2f} GB/s, plain pinned copy_ {out['pinned_h2d'] / GB:.2f} GB/s: "
+          f"{100 * b['load_bandwidth'] / out['pinned_h2d']:.0f}%")
     t = out["train"]
     print(f"training step: none {t['none_s']:.4f} s, checkpoint every step {t['every_step_s']:.4f} s: "
           f"{100 * t['none_s'] / t['every_step_s']:.0f}% (target >= 95%)")
