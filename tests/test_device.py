@@ -137,6 +137,10 @@ def test_the_skeleton_writer_writes_what_torch_save_writes(i):
     assert ours == theirs
 
 
+def test_the_skeleton_writer_knows_it_writes_what_this_torch_writes():
+    assert _serialization.skeleton_matches_torch()
+
+
 def test_the_skeleton_writer_refuses_what_torch_save_refuses():
     base = torch.arange(8, dtype=torch.float32)
     bad = {"a": base, "b": base.view(torch.int32)}  # one storage seen as two types

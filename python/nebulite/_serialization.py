@@ -13,6 +13,7 @@ and ``weights_only`` behaves exactly as in ``torch.load``.
 from __future__ import annotations
 
 import ctypes
+import functools
 import io
 import json
 import os
@@ -191,6 +192,25 @@ def save_skeleton(obj: Any, zip_file: Any, pickle_module: Any, pickle_protocol: 
         zip_file.write_record(f"data/{key}", storage, storage.nbytes())
 
 
+@functools.cache
+def skeleton_matches_torch() -> bool:
+    """True if save_skeleton writes what this torch's _save writes (checked once, on a small
+    object with a shared storage): with another torch, CUDA storages go through _save."""
+    base = torch.arange(16, dtype=torch.float32)
+    probe = {"a": base[2:], "b": base, "c": torch.zeros(2, dtype=torch.int8), "n": [1, "x"]}
+
+    def written(save: Callable[..., None]) -> list[tuple[str, Any]]:
+        c = RecordCollector()
+        save(probe, c, pickle, 2, False)
+        return [(name, src if isinstance(src, bytes) else src.data_ptr())
+                for (name, _, _, _), src in zip(c.records, c.sources)]
+
+    try:
+        return written(save_skeleton) == written(torch.serialization._save)
+    except Exception:
+        return False
+
+
 def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str) -> RecordCollector:
     """Returns the records of `obj` as torch.save would write them, plus nebulite's index.
     A structure saved under `name` before reuses its flattening (see nebulite._plan)."""
@@ -206,7 +226,8 @@ def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str) -> Record
     else:
         # With CUDA in use, the skeleton is written by save_skeleton, which hands CUDA
         # storages over where they are; torch's _save would copy each to pageable memory.
-        save = save_skeleton if _device.in_use() else torch.serialization._save
+        save = save_skeleton if _device.in_use() and skeleton_matches_torch() \
+            else torch.serialization._save
         try:
             save(obj, collector, pickle, 2, False)
         except (pickle.PicklingError, TypeError, AttributeError, RecursionError) as e:

@@ -699,6 +699,7 @@ class Checkpoint:
                 else:
                     s.engine.stage(self.tag, v.version, name, records.records, persist_now)
             except BaseException:
+                s.sealer.drain()  # no copy from a device may still land in what goes
                 # A checkpoint missing an object is no checkpoint: the version goes, with
                 # the memory and files its earlier objects took (else they would hold the
                 # budget for good), and the next save of the tag starts a new one.
