@@ -353,3 +353,34 @@ def test_a_cpu_only_plan_key_is_unchanged_by_device_support():
     key = _plan.walk({"t": t}).key
     assert key is not None
     assert (torch.Tensor, torch.float32, t.shape, t.stride(), 0, False, 0, 48) in key
+
+
+@pytest.mark.parametrize("async_staging", [False, True], ids=["blocking", "async"])
+def test_a_failed_staging_from_a_device_fails_that_checkpoint_only(store, fake_device, monkeypatch,
+                                                                   async_staging):
+    from nebulite import _core
+    from nebulite.errors import PersistError
+
+    nm.init(persistent_storage_path=store, async_staging=async_staging)
+    model, opt = _model()
+    _step(model, opt)
+    nm.Checkpoint("good").save("model", model.state_dict())
+    nm.wait_staged()
+
+    def crc32(address: int, n: int, threads: int) -> int:
+        raise RuntimeError("the checksum failed")
+
+    original = _core.crc32
+    monkeypatch.setattr(_core, "crc32", crc32)
+    if async_staging:
+        nm.Checkpoint("bad").save("model", model.state_dict())
+        with pytest.raises(PersistError, match="from the device failed: the checksum failed"):
+            nm.wait_staged()
+    else:
+        with pytest.raises(RuntimeError, match="the checksum failed"):
+            nm.Checkpoint("bad").save("model", model.state_dict())
+    monkeypatch.setattr(_core, "crc32", original)
+    assert nm.get_latest_checkpoint().tag == "good"
+    assert nm.get_checkpoint(tag="bad").tag == ""
+    nm.Checkpoint("bad").save("model", model.state_dict())  # the tag starts afresh
+    assert nm.get_latest_checkpoint().tag == "bad"

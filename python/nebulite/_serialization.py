@@ -57,6 +57,8 @@ class RecordCollector:
         self.sources: list[Any] = []  # each record's bytes or storage, kept alive
         self.storage_bytes = 0
         self.on_device: set[int] = set()  # indexes of records held by a CUDA storage
+        self.job: Any = None  # the sealing of its device copies (nebulite._device.Sealer.Job)
+        self.checked = False  # its deferred tensors were checked at a barrier
         self.watch = watch if watch is not None else _staging.Watch()
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:
@@ -434,6 +436,8 @@ def _cuda_device(location: str) -> torch.device | None:
         return None  # torch's own restore reports it
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
+    if device.index >= torch.cuda.device_count():
+        return None  # torch's own restore reports it
     return device
 
 

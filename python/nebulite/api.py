@@ -378,10 +378,9 @@ class _Session:
             raise
         torn: dict[tuple[str, str], str] = {}
         for tag, version, name, records in pending:
-            job = getattr(records, "job", None)
-            if job is not None:
-                job.copies.order_after()  # what the device does next waits for the copies
-            if getattr(records, "checked", False):
+            if records.job is not None:
+                records.job.copies.order_after()  # what the device does next waits for them
+            if records.checked:
                 continue
             records.checked = True  # ordered after its copies now: checked once
             why = records.watch.changed()
@@ -393,20 +392,22 @@ class _Session:
                     "call nebulite.wait_staged() first)")
         # Objects copied from a device are sealed once their copies landed: the barrier
         # before an optimizer step waits on the device only; every other call, on the host.
-        landing: list[tuple[str, str, str, Any]] = []
         failed: dict[tuple[str, str], str] = {}
-        for entry in pending:
-            job = getattr(entry[3], "job", None)
+        for tag, version, name, records in pending:
+            job = records.job
             if job is None:
                 continue
-            if not on_device or (entry[0], entry[1]) in torn:
+            if not on_device or (tag, version) in torn:
                 job.done.wait()
-            if not job.done.is_set():
-                landing.append(entry)
-            elif job.error is not None and (entry[0], entry[1]) not in torn:
-                failed[(entry[0], entry[1])] = (
-                    f"checkpoint {entry[0]!r} ({entry[1]}) was not committed: staging object "
-                    f"{entry[2]!r} from the device failed: {job.error}")
+            if job.done.is_set() and job.error is not None and (tag, version) not in torn:
+                failed.setdefault((tag, version), (
+                    f"checkpoint {tag!r} ({version}) was not committed: staging object "
+                    f"{name!r} from the device failed: {job.error}"))
+        # A version goes only once every copy into its memory has landed.
+        for tag, version, _, records in pending:
+            if records.job is not None and (tag, version) in failed:
+                records.job.done.wait()
+        landing = [e for e in pending if e[3].job is not None and not e[3].job.done.is_set()]
         for errors, code in ((torn, "Torn"), (failed, "Staging")):
             for (tag, version), why in errors.items():
                 self.engine.abandon(tag, version)
