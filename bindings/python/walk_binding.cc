@@ -113,13 +113,17 @@ class Walker {
       j = static_cast<int64_t>(sizes_.size());
       if (PyDict_SetItem(storages_.ptr(), s.ptr(), nb::int_(j).ptr()) != 0) throw nb::python_error();
       storage_list_.append(s);
-      sizes_.push_back(nb::steal(Call(s.ptr(), n.nbytes).release()));
+      sizes_.push_back(Call(s.ptr(), n.nbytes));
       views = nb::steal(PyList_New(0));
       if (PyDict_SetItem(views_.ptr(), id.ptr(), views.ptr()) != 0) throw nb::python_error();
     } else {
       j = PyLong_AsLongLong(found);
-      views = nb::borrow(PyDict_GetItemWithError(views_.ptr(), id.ptr()));
-      if (!views.is_valid()) throw nb::python_error();
+      PyObject* known = PyDict_GetItemWithError(views_.ptr(), id.ptr());
+      if (known == nullptr) {
+        if (PyErr_Occurred()) throw nb::python_error();
+        throw nb::type_error("a storage compares equal to another one: it has no key");
+      }
+      views = nb::borrow(known);
     }
     nb::object version = Attr(x, n.version);
     if (PyList_Append(views.ptr(), nb::make_tuple(nb::handle(x), version).ptr()) != 0)
