@@ -71,12 +71,15 @@ def _reference_walk(obj: Any) -> _plan.Structure:
                 sizes.append(s.nbytes())
                 views[id(s)] = []
             views[id(s)].append((x, x._version))
-            if (t is not Tensor and t is not Parameter) or not x.is_cpu or x.__dict__ \
-                    or x._backward_hooks or x.is_quantized or x.is_conj() or x.is_neg():
+            cpu = x.is_cpu
+            if (t is not Tensor and t is not Parameter) or not (cpu or x.is_cuda) \
+                    or x.__dict__ or x._backward_hooks or x.is_quantized or x.is_conj() \
+                    or x.is_neg():
                 keyed = False
                 return
             put((t, x.dtype, x.shape, x.stride(), x.storage_offset(), x.requires_grad, j,
-                 sizes[j]))
+                 sizes[j]) if cpu else (t, x.device, x.dtype, x.shape, x.stride(),
+                                        x.storage_offset(), x.requires_grad, j, sizes[j]))
             return
         if t is str or t is int or t is bool or t is NoneType or t is bytes:
             put(t)

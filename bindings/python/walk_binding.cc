@@ -24,6 +24,8 @@ struct Names {
   PyObject* nbytes = PyUnicode_InternFromString("nbytes");
   PyObject* version = PyUnicode_InternFromString("_version");
   PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
+  PyObject* is_cuda = PyUnicode_InternFromString("is_cuda");
+  PyObject* device = PyUnicode_InternFromString("device");
   PyObject* dict = PyUnicode_InternFromString("__dict__");
   PyObject* backward_hooks = PyUnicode_InternFromString("_backward_hooks");
   PyObject* is_quantized = PyUnicode_InternFromString("is_quantized");
@@ -131,15 +133,23 @@ class Walker {
     if (!keyed_) return;  // the key is lost already: only storages and views are wanted
     const bool plain = reinterpret_cast<PyObject*>(t) == tensor_ ||
                        reinterpret_cast<PyObject*>(t) == parameter_;
-    if (!plain || !Truthy(Attr(x, n.is_cpu)) || Truthy(Attr(x, n.dict)) ||
+    const bool cpu = plain && Truthy(Attr(x, n.is_cpu));
+    if (!plain || !(cpu || Truthy(Attr(x, n.is_cuda))) || Truthy(Attr(x, n.dict)) ||
         Truthy(Attr(x, n.backward_hooks)) || Truthy(Attr(x, n.is_quantized)) ||
         Truthy(Call(x, n.is_conj)) || Truthy(Call(x, n.is_neg))) {
       keyed_ = false;
       return;
     }
-    Put(nb::make_tuple(nb::handle(reinterpret_cast<PyObject*>(t)), Attr(x, n.dtype),
-                       Attr(x, n.shape), Call(x, n.stride), Call(x, n.storage_offset),
-                       Attr(x, n.requires_grad), j, sizes_[static_cast<size_t>(j)]));
+    nb::handle type(reinterpret_cast<PyObject*>(t));
+    const nb::object& size = sizes_[static_cast<size_t>(j)];
+    if (cpu) {
+      Put(nb::make_tuple(type, Attr(x, n.dtype), Attr(x, n.shape), Call(x, n.stride),
+                         Call(x, n.storage_offset), Attr(x, n.requires_grad), j, size));
+    } else {  // a CUDA tensor's key names its device
+      Put(nb::make_tuple(type, Attr(x, n.device), Attr(x, n.dtype), Attr(x, n.shape),
+                         Call(x, n.stride), Call(x, n.storage_offset), Attr(x, n.requires_grad),
+                         j, size));
+    }
   }
 
   void Visit(PyObject* x, int depth) {

@@ -12,10 +12,10 @@ An object whose key equals the one its name had last time pickles to the same sk
 (``data.pkl``), so the skeleton and the record layout are reused and only the storages'
 addresses are taken afresh.
 
-Only objects made of dicts, lists, tuples, plain scalars and plain CPU tensors have a key;
-anything else (a custom class, a tensor subclass, a tensor with hooks or attributes of its
-own, a quantized, conjugate or negative-bit tensor, a CUDA tensor) is flattened by torch's
-serializer every time.
+Only objects made of dicts, lists, tuples, plain scalars and plain CPU or CUDA tensors have
+a key (a CUDA tensor's includes its device); anything else (a custom class, a tensor
+subclass, a tensor with hooks or attributes of its own, a quantized, conjugate or
+negative-bit tensor) is flattened by torch's serializer every time.
 """
 
 from __future__ import annotations
