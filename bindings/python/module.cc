@@ -8,4 +8,5 @@ NB_MODULE(_core, m) {
   nebulite::python::RegisterStatus(m);
   nebulite::python::RegisterEngine(m);
   nebulite::python::RegisterStorage(m);
+  nebulite::python::RegisterWalk(m);
 }

@@ -19,5 +19,6 @@ T ValueOrThrow(Result<T> r) {
 void RegisterStatus(nanobind::module_& m);
 void RegisterEngine(nanobind::module_& m);
 void RegisterStorage(nanobind::module_& m);
+void RegisterWalk(nanobind::module_& m);
 
 }  // namespace nebulite::python

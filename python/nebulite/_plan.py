@@ -27,17 +27,15 @@ from typing import Any
 
 import torch
 
+from . import _core
+
 #: How deep containers are followed; deeper objects have no key.
 MAX_DEPTH = 64
 #: Names whose plan is kept (the newest ones).
 MAX_PLANS = 64
 
 Tensor, Parameter, strided = torch.Tensor, torch.nn.Parameter, torch.strided
-OrderedDict, NoneType = collections.OrderedDict, type(None)
-
-
-class _NoKey(Exception):
-    pass
+OrderedDict = collections.OrderedDict
 
 
 @dataclass
@@ -51,69 +49,10 @@ class Structure:
 
 
 def walk(obj: Any) -> Structure:
-    out: list[Any] = []
-    put = out.append
-    storages: dict[torch.UntypedStorage, int] = {}
-    views: dict[int, list[tuple[torch.Tensor, int]]] = {}
-    sizes: list[int] = []  # of each storage
-    seen: dict[int, int] = {}  # id of a container or tensor met already -> its order
-    keyed = True
-
-    def visit(x: Any, depth: int) -> None:
-        nonlocal keyed
-        t = type(x)
-        if t is Tensor or t is Parameter or isinstance(x, Tensor):  # the most frequent first
-            if id(x) in seen:  # the pickler writes a reference to it
-                put(("again", seen[id(x)]))
-                return
-            seen[id(x)] = len(seen)
-            if x.layout is not strided or x.is_meta:
-                keyed = False
-                return
-            s = x.untyped_storage()
-            j = storages.get(s)
-            if j is None:
-                j = storages[s] = len(storages)
-                sizes.append(s.nbytes())
-                views[id(s)] = []
-            views[id(s)].append((x, x._version))
-            cpu = x.is_cpu
-            if (t is not Tensor and t is not Parameter) or not (cpu or x.is_cuda) \
-                    or x.__dict__ or x._backward_hooks or x.is_quantized or x.is_conj() \
-                    or x.is_neg():
-                keyed = False
-                return
-            put((t, x.dtype, x.shape, x.stride(), x.storage_offset(), x.requires_grad, j,
-                 sizes[j]) if cpu else (t, x.device, x.dtype, x.shape, x.stride(),
-                                        x.storage_offset(), x.requires_grad, j, sizes[j]))
-            return
-        if t is str or t is int or t is bool or t is NoneType or t is bytes:
-            put(t)
-            put(x)
-            return
-        if t is float:
-            put(t)
-            put(x.hex())  # -0.0 and 0.0 pickle differently; NaN never equals itself
-            return
-        if (t is dict or t is OrderedDict or t is list or t is tuple) and depth < MAX_DEPTH:
-            if id(x) in seen:
-                put(("again", seen[id(x)]))
-                return
-            seen[id(x)] = len(seen)
-            put(t)
-            put(len(x))
-            if t is dict or t is OrderedDict:
-                for k, v in x.items():
-                    visit(k, depth + 1)
-                    visit(v, depth + 1)
-            else:
-                for v in x:
-                    visit(v, depth + 1)
-            return
-        keyed = False  # anything else: its own reduction decides what is pickled
-
-    visit(obj, 0)
-    return Structure(tuple(out) if keyed else None, list(storages), views)
+    """The structure of `obj` (see the module's text), in one pass of nebulite._core.walk:
+    the per-tensor work of every save, on the caller's thread."""
+    key, storages, views = _core.walk(obj, Tensor, Parameter, strided, OrderedDict, MAX_DEPTH)
+    return Structure(key, storages, views)
 
 
 @dataclass(frozen=True)

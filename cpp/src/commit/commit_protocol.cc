@@ -64,15 +64,20 @@ bool ParseSeqName(const std::string& name, uint64_t* seq) {
   return true;
 }
 
-// The unit of work of ReadDataFile for a file of `size` bytes: kReadPieceBytes. On an
-// object store each piece is a request, and a load has made two more to open the file
-// (its index at the end, its headers at the start, through the small-read blocks): a
-// file of 8 pieces or more is read in two pieces fewer, a little larger, so that a load
-// makes as many requests as a direct ranged read of the same payload.
-uint64_t ReadPieceBytes(const Storage& storage, uint64_t size) {
+// The unit of work of ReadDataFile for a file of `size` bytes read by `threads` threads:
+// kReadPieceBytes. On an object store each piece is a request, and a load has made two
+// more to open the file (its index at the end, its headers at the start, through the
+// small-read blocks): a file of 8 pieces or more is read in the largest multiple of
+// `threads` pieces that is at least two fewer, a little larger. The load then makes no
+// more requests than a direct ranged read of the same payload, and every thread reads as
+// many bytes as every other (a last wave of fewer pieces would leave threads idle, which
+// costs a bandwidth-bound store what it saves a request-bound one).
+uint64_t ReadPieceBytes(const Storage& storage, uint64_t size, int threads) {
   const uint64_t whole = size / kReadPieceBytes;
-  if (!storage.is_object_store() || whole < 8) return kReadPieceBytes;
-  const uint64_t bytes = (size + whole - 3) / (whole - 2);
+  const uint64_t t = static_cast<uint64_t>(std::max(1, threads));
+  if (!storage.is_object_store() || whole < 8 || whole - 2 < t) return kReadPieceBytes;
+  const uint64_t count = (whole - 2) / t * t;
+  const uint64_t bytes = (size + count - 1) / count;
   return (bytes + 4095) / 4096 * 4096;
 }
 
@@ -366,7 +371,7 @@ Status ReadDataFile(Storage* storage, const std::string& path, const ManifestFil
   }
   NEBULITE_ASSIGN_OR_RETURN(std::unique_ptr<ReadableFile> file, OpenDataFile(storage, path, f));
   // Units of work of at most `piece` bytes, in file order.
-  const uint64_t piece = ReadPieceBytes(*storage, f.size);
+  const uint64_t piece = ReadPieceBytes(*storage, f.size, threads);
   std::vector<FileSpan> pieces;
   std::vector<size_t> span_of;  // the span each piece belongs to
   for (size_t k = 0; k < spans.size(); ++k) {

@@ -338,6 +338,10 @@ class CountingClient final : public ObjectClient {
   Result<size_t> Get(const std::string& key, uint64_t offset, size_t n, void* dst,
                      const std::string& etag) override {
     Count("get");
+    if (n > (1u << 20)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      big_gets_.push_back(n);
+    }
     return base_->Get(key, offset, n, dst, etag);
   }
   Result<ObjectInfo> Head(const std::string& key) override {
@@ -361,6 +365,11 @@ class CountingClient final : public ObjectClient {
     std::lock_guard<std::mutex> lock(mu_);
     return std::exchange(counts_, {});
   }
+  // The sizes of the GETs of more than 1 MiB since the last call, in the order made.
+  std::vector<size_t> TakeBigGets() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return std::exchange(big_gets_, {});
+  }
 
  private:
   void Count(const char* op) {
@@ -370,9 +379,47 @@ class CountingClient final : public ObjectClient {
   std::shared_ptr<ObjectClient> base_;
   std::mutex mu_;
   std::map<std::string, int> counts_;  // GUARDED_BY(mu_)
+  std::vector<size_t> big_gets_;       // GUARDED_BY(mu_)
 };
 
 using Counts = std::map<std::string, int>;
+
+// A data file read from an object store: the two requests that open it (its index and
+// its headers) and pieces that every reading thread shares equally, no more requests in
+// all than a direct read of the payload in 16 MiB ranges would make.
+TEST(ObjectStorageTest, ADataFileIsReadInPiecesEveryThreadSharesEqually) {
+  auto counted = std::make_shared<CountingClient>(NewMemoryObjectClient());
+  std::unique_ptr<Storage> s = OpenObjectStorage(counted, /*read_only=*/false);
+  const uint64_t mib = 1 << 20;
+  std::string data(10 * 16 * mib + 12345, '\0');  // 10 pieces of 16 MiB and a little
+  for (size_t i = 0; i < data.size(); i += 4093) data[i] = static_cast<char>(i * 7);
+  const std::string path = DataFilePath("t", "v", 0, "model");
+  ASSERT_TRUE(s->WriteWholeFile(path, {{data.data(), data.size()}}).ok());
+  const ManifestFile f{"model", data.size(), Crc32(0, data.data(), data.size())};
+  std::string into(data.size(), '\0');
+  for (int threads : {4, 3, 8, 16}) {
+    std::fill(into.begin(), into.end(), '\0');
+    counted->Take();
+    counted->TakeBigGets();
+    ASSERT_TRUE(ReadDataFile(s.get(), path, f, {{0, data.size(), into.data()}}, threads).ok());
+    EXPECT_TRUE(into == data) << threads;
+    std::vector<size_t> gets = counted->TakeBigGets();
+    const size_t direct = (data.size() + 16 * mib - 1) / (16 * mib);  // 11 ranges
+    if (threads <= 8) {
+      EXPECT_LE(counted->Take()["get"], static_cast<int>(direct) - 2) << threads;
+      // As many pieces as fit in whole waves of `threads`, leaving room for the two
+      // requests that opened the file: 8 of 4, 6 of 3, 8 of 8.
+      const size_t want = (10 - 2) / threads * threads;
+      ASSERT_EQ(gets.size(), want) << threads;
+      const size_t largest = *std::max_element(gets.begin(), gets.end());
+      const size_t smallest = *std::min_element(gets.begin(), gets.end());
+      EXPECT_LE(largest - smallest, data.size() / want / 100) << threads;  // within 1%
+    } else {
+      // More threads than pieces: the usual 16 MiB pieces, one each (the last is small).
+      EXPECT_EQ(gets.size(), direct - 1) << threads;
+    }
+  }
+}
 
 // Each request a commit and a load make on an object store has a reason: the counts are
 // the protocol's, and one more is a regression.
