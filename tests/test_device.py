@@ -9,6 +9,7 @@ device adds is in tests/test_gpu.py.
 from __future__ import annotations
 
 import pickle
+import struct
 import threading
 from typing import Any
 
@@ -384,3 +385,83 @@ def test_a_failed_staging_from_a_device_fails_that_checkpoint_only(store, fake_d
     assert nm.get_checkpoint(tag="bad").tag == ""
     nm.Checkpoint("bad").save("model", model.state_dict())  # the tag starts afresh
     assert nm.get_latest_checkpoint().tag == "bad"
+
+
+def test_the_crc_of_bytes_in_memory_is_zlib_s_on_any_number_of_threads():
+    import zlib
+
+    from nebulite import _core
+
+    data = torch.randint(0, 256, (3 << 20,), dtype=torch.uint8)
+    want = zlib.crc32(data.numpy().tobytes())
+    for threads in (1, 2, 4):
+        assert _core.crc32(data.data_ptr(), data.numel(), threads) == want
+    assert _core.crc32(data.data_ptr(), 0, 1) == 0
+
+
+def _skeleton_at(location: bytes, obj: Any) -> bytes:
+    c = RecordCollector()
+    save_skeleton(obj, c, pickle, 2, False)
+    pkl = c.sources[0]
+    cpu = b"X" + struct.pack("<I", 3) + b"cpu"  # BINUNICODE, protocol 2
+    assert isinstance(pkl, bytes) and cpu in pkl
+    return pkl.replace(cpu, b"X" + struct.pack("<I", len(location)) + location)
+
+
+def test_the_locations_of_a_skeleton_s_storages_are_read_without_running_it(tmp_path):
+    base = torch.arange(10.0)
+    pkl = _skeleton_at(b"cuda:1", {"a": base, "v": base[2:], "b": torch.ones(3)})
+    assert _serialization.storage_locations(pkl) == {"0": "cuda:1", "1": "cuda:1"}
+
+    class Evil:
+        def __reduce__(self):
+            return (open, (str(tmp_path / "ran"), "w"))
+
+    evil = pickle.dumps({"x": Evil(), "t": 1}, protocol=2)
+    assert _serialization.storage_locations(evil) == {}
+    assert not (tmp_path / "ran").exists()
+    assert _serialization.storage_locations(b"not a pickle") == {}
+
+
+def test_a_source_that_lends_no_memory_or_a_machine_without_cuda_plans_no_device_copies():
+    source = _serialization.ArchiveSource({"data.pkl": 3, "data/0": 8}, read=lambda n: b"",
+                                          read_into=lambda n, a: None, description="d",
+                                          lend=lambda n: 0)
+    source.plan_device_copies("cuda:0")
+    assert source.targets == {} or torch.cuda.is_available()
+    plain = _serialization.ArchiveSource({"data/0": 8}, read=lambda n: b"",
+                                         read_into=lambda n, a: None, description="d")
+    plain.plan_device_copies("cuda:0")
+    assert plain.targets == {}
+
+
+def test_loads_plan_which_records_go_straight_to_a_device(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "init", lambda: None)
+    monkeypatch.setattr(_serialization, "_cuda_device",
+                        lambda loc: torch.device("meta") if loc.startswith("cuda") else None)
+    base = torch.arange(10.0)
+    obj = {"a": base, "v": base[2:], "b": torch.ones(3)}
+    on_cuda = _skeleton_at(b"cuda:1", obj)
+    on_cpu = _skeleton_at(b"cpu", obj)
+    pins: list[int] = []
+
+    def targets(pkl: bytes, map_location: Any) -> set[str]:
+        records = {"data.pkl": pkl, "byteorder": b"little", "data/0": b"", "data/1": b""}
+        source = _serialization.ArchiveSource(
+            {n: len(b) for n, b in records.items()}, read=lambda n: records[n],
+            read_into=lambda n, a: None, description="d", lend=lambda n: 0,
+            pin=lambda: bool(pins.append(1)))
+        source.plan_device_copies(map_location)
+        return set(source.targets)
+
+    both = {"data/0", "data/1"}
+    assert targets(on_cuda, None) == both and len(pins) == 1
+    assert targets(on_cpu, None) == set() and len(pins) == 1  # nothing to pin for
+    assert targets(on_cpu, "cuda:0") == both
+    assert targets(on_cpu, torch.device("cuda", 0)) == both
+    assert targets(on_cuda, "cpu") == set()
+    assert targets(on_cuda, {"cuda:1": "cpu"}) == set()
+    assert targets(on_cpu, {"cpu": "cuda:0"}) == both
+    assert targets(on_cuda, lambda storage, location: storage) == set()  # decided per storage
+    assert len(pins) == 4  # once per load with a record to copy to a device
