@@ -12,8 +12,9 @@ Lifecycle of one object's copies (`DeviceCopies`):
   ``add()`` for each storage -> ``finish()`` (records the events; the sources stay alive)
   -> ``order_after()`` (the current stream waits for the events on the device, the host
   does not; with async staging, for the unsafe copies at save(), for all of them at the
-  optimizer barrier) -> ``synchronize()`` (the host waits, on the thread that seals the
-  object: nothing reads the arena bytes before they landed) -> the sources go.
+  optimizer barrier) -> ``landing()`` (the host waits for them group by group, on the
+  thread that seals the object, checksumming what landed: nothing reads the arena bytes
+  before they landed) -> the sources go.
 
 The CUDA calls are made through a `CopyBackend`; `CudaBackend` is torch's, and tests of the
 bookkeeping pass a stand-in. Nothing here touches CUDA unless a saved storage is on a CUDA
@@ -100,7 +101,8 @@ class CudaBackend:
                 dst.copy_(src, non_blocking=True)
 
     def record(self, stream: Any) -> Any:
-        event = torch.cuda.Event()
+        # blocking: the thread that waits for it sleeps instead of spinning on a core
+        event = torch.cuda.Event(blocking=True)
         event.record(stream)
         return event
 
