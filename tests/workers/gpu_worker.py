@@ -61,7 +61,10 @@ class GpuRank(Rank):
         return out
 
 
-def _lightning(workdir: str, strategy: Any, world: int, plugins: list[Any]) -> dict[str, Any]:
+def _lightning(workdir: str, strategy: Any, world: int, plugins: list[Any],
+               configure: bool = True) -> dict[str, Any]:
+    """Trains with `strategy`; the callback configures nebulite unless the strategy does
+    (`configure` False: DeepSpeed's "nebula" block)."""
     import lightning as L
     import torch
 
@@ -70,9 +73,9 @@ def _lightning(workdir: str, strategy: Any, world: int, plugins: list[Any]) -> d
 
     store = os.path.join(workdir, "nebula")
     ckpt_dir = os.path.join(workdir, "ckpts")
+    config_params = {"persistent_storage_path": store, "persistent_time_interval": 0}
     callback = nm.NebulaCallback(dirpath=ckpt_dir, save_top_k=-1, every_n_train_steps=2, save_last=True,
-                                 config_params={"persistent_storage_path": store,
-                                                "persistent_time_interval": 0})
+                                 **({"config_params": config_params} if configure else {}))
     probe = Probe()
     trainer = L.Trainer(accelerator="gpu", devices=world, num_nodes=1, strategy=strategy, max_steps=4,
                         callbacks=[callback, probe], plugins=plugins, enable_progress_bar=False,
@@ -110,7 +113,7 @@ def lightning_deepspeed(workdir: str, world: int) -> dict[str, Any]:
               "train_micro_batch_size_per_gpu": 8,
               "nebula": {"enabled": True, "persistent_storage_path": store,
                          "persistent_time_interval": 0, "num_of_version_in_retention": 0}}
-    return _lightning(workdir, nm.NebulaDeepspeedStrategy(config=config), world, [])
+    return _lightning(workdir, nm.NebulaDeepspeedStrategy(config=config), world, [], configure=False)
 
 
 def main() -> None:
