@@ -20,6 +20,7 @@ import nebulite as nm
 from nebulite import _device, _plan, _serialization
 from nebulite._serialization import RecordCollector, flatten, save_skeleton
 from nebulite.errors import TornCheckpointError
+from test_async_staging import _model  # the same model and optimizer as the CPU staging tests
 
 HANG = 600.0
 
@@ -261,11 +262,6 @@ def mode(request, monkeypatch):
     return request.param
 
 
-def _model() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-    torch.manual_seed(0)
-    model = torch.nn.Sequential(torch.nn.Linear(512, 1024), torch.nn.BatchNorm1d(1024),
-                                torch.nn.Linear(1024, 512))
-    return model, torch.optim.AdamW(model.parameters(), lr=0.1)
 
 
 def _step(model: torch.nn.Module, opt: torch.optim.Optimizer) -> None:
