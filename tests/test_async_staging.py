@@ -3,6 +3,8 @@ checkpoint holds exactly the state at save() time."""
 
 from __future__ import annotations
 
+import threading
+
 import pytest
 import torch
 
@@ -210,3 +212,132 @@ def test_a_freed_storage_whose_address_is_reused_is_not_deferred(store):
     assert buffer.data_ptr() == address
     records = flatten({"buffer": buffer}, tag="t", name="b", rank=0, version="v")
     assert not records.deferred
+
+
+def _walked_on(monkeypatch) -> set[int]:
+    """The threads that walk saved objects from now on."""
+    from nebulite import _plan
+
+    threads: set[int] = set()
+    walk = _plan.walk
+
+    def recorded(obj):
+        threads.add(threading.get_ident())
+        return walk(obj)
+
+    monkeypatch.setattr(_plan, "walk", recorded)
+    return threads
+
+
+def test_a_save_only_records_what_to_copy_on_the_callers_thread(store, monkeypatch):
+    """The walk, the pickling and the staging run on the staging thread, behind the barrier."""
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _stepped_model()
+    walked = _walked_on(monkeypatch)
+    ckpt = nm.Checkpoint("a", 2)
+    ckpt.save("model", model.state_dict())
+    ckpt.save("optimizer", opt.state_dict())
+    expected = _clone(model.state_dict())
+    _step(model, opt)  # the barrier waits for the staging thread, then the step goes on
+    assert walked and threading.get_ident() not in walked
+    got = nm.get_checkpoint(tag="a").load("model")
+    for name, t in expected.items():
+        assert torch.equal(got[name], t), name
+
+
+def test_containers_changed_after_save_leave_the_checkpoint_as_saved(store):
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _stepped_model()
+    state = {"model": model.state_dict(), "epoch": 3, "seen": [1, 2], "pair": (opt.state_dict(), 7)}
+    expected = _clone(state["model"])
+    ckpt = nm.Checkpoint("a", nm.COMMIT_EXPLICITLY)
+    ckpt.save("state", state)
+    state["epoch"] = 4
+    state["seen"].append(3)
+    state["model"]["extra"] = torch.ones(2)
+    del state["model"]["0.weight"]
+    ckpt.commit()  # the staging thread reads the object only now
+    got = nm.get_checkpoint(tag="a").load("state", weights_only=False)
+    assert got["epoch"] == 3 and got["seen"] == [1, 2] and got["pair"][1] == 7
+    assert set(got["model"]) == set(expected)
+    for name, t in expected.items():
+        assert torch.equal(got["model"][name], t), name
+
+
+def test_buffers_are_copied_at_save_and_their_layout_checked_later(store):
+    """A buffer forward changes is copied before save() returns; one reshaped in place
+    before the staging thread read the object's structure fails the checkpoint."""
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _stepped_model()
+    bn = model[1]
+    scanned = _staging.scan(model.state_dict())
+    copied = {scanned.storages[i].data_ptr() for i in scanned.copied}
+    assert bn.running_mean.untyped_storage().data_ptr() in copied
+    assert model[0].weight.untyped_storage().data_ptr() not in copied
+    saved_mean = bn.running_mean.clone()
+    ckpt = nm.Checkpoint("changed", nm.COMMIT_EXPLICITLY)
+    ckpt.save("model", model.state_dict())
+    bn.running_mean.add_(1)  # as forward does: the checkpoint keeps the value at save()
+    ckpt.commit()
+    nm.wait_staged()
+    assert torch.equal(nm.get_checkpoint(tag="changed").load("model")["1.running_mean"], saved_mean)
+    grid = {"grid": torch.arange(6.0).reshape(2, 3)}
+    ckpt = nm.Checkpoint("reshaped", nm.COMMIT_EXPLICITLY)
+    ckpt.save("grid", grid)
+    grid["grid"].t_()
+    ckpt.commit()
+    with pytest.raises(nm.errors.TornCheckpointError, match=r"'grid' was reshaped in place"):
+        nm.wait_staged()
+    assert nm.get_checkpoint(tag="reshaped").tag == ""
+    assert nm.get_latest_checkpoint().tag == "changed"
+
+
+class Custom:
+    """An object of its own class: pickled by its own reduction, never scanned."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.t = t
+
+
+def test_objects_the_scan_does_not_take_are_staged_on_the_callers_thread(store, monkeypatch):
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _stepped_model()
+    assert _staging.scan({"c": Custom(torch.ones(2))}) is None
+    assert _staging.scan({"m": model.state_dict()}) is not None
+    monkeypatch.setattr(_staging, "MAX_COPIED_BYTES", 1024)  # the buffers alone are more
+    assert _staging.scan({"m": model.state_dict()}) is None
+    monkeypatch.undo()
+    walked = _walked_on(monkeypatch)
+    ckpt = nm.Checkpoint("a", 2)
+    ckpt.save("custom", {"c": Custom(model[0].weight.detach())})
+    assert threading.get_ident() in walked  # staged before save() returned
+    ckpt.save("model", model.state_dict())
+    expected = _clone(model.state_dict())
+    _step(model, opt)
+    got = nm.get_checkpoint(tag="a")
+    assert torch.equal(got.load("custom", weights_only=False)["c"].t, expected["0.weight"])
+    assert list(got.list_names()) == ["custom", "model"]
+
+
+def test_a_failure_on_the_staging_thread_fails_that_checkpoint_only(store, monkeypatch):
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _stepped_model()
+    nm.Checkpoint("good").save("model", model.state_dict())
+    nm.wait_staged()
+    caller = threading.get_ident()
+    flatten_ = nm.api.flatten
+
+    def failing(*args, **kwargs):
+        if threading.get_ident() != caller:
+            raise RuntimeError("no memory left for the skeleton")
+        return flatten_(*args, **kwargs)
+
+    monkeypatch.setattr(nm.api, "flatten", failing)
+    nm.Checkpoint("bad").save("model", model.state_dict())
+    _step(model, opt)  # the barrier never raises in step()
+    monkeypatch.undo()
+    with pytest.raises(nm.errors.PersistError, match="no memory left for the skeleton"):
+        nm.Checkpoint("next").save("model", model.state_dict())
+    nm.wait_staged()
+    assert nm.get_checkpoint(tag="bad").tag == ""
+    assert nm.get_latest_checkpoint().tag == "good"

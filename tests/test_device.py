@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import nebulite as nm
-from nebulite import _device, _plan, _serialization
+from nebulite import _device, _plan, _serialization, _staging
 from nebulite._serialization import RecordCollector, flatten, save_skeleton
 from nebulite.errors import TornCheckpointError
 from test_async_staging import _model  # the same model and optimizer as the CPU staging tests
@@ -251,6 +251,9 @@ def fake_device(monkeypatch) -> FakeDevice:
             self.on_device.add(len(self.records) - 1)
 
     monkeypatch.setattr(RecordCollector, "write_record", write_record)
+    # The scan of asynchronous saves takes CPU tensors only: an object on a device is
+    # staged from the caller's thread, as every object is here.
+    monkeypatch.setattr(_staging, "scan", lambda obj: None)
     return fake
 
 

@@ -9,4 +9,5 @@ NB_MODULE(_core, m) {
   nebulite::python::RegisterEngine(m);
   nebulite::python::RegisterStorage(m);
   nebulite::python::RegisterWalk(m);
+  nebulite::python::RegisterScan(m);
 }

@@ -20,5 +20,6 @@ void RegisterStatus(nanobind::module_& m);
 void RegisterEngine(nanobind::module_& m);
 void RegisterStorage(nanobind::module_& m);
 void RegisterWalk(nanobind::module_& m);
+void RegisterScan(nanobind::module_& m);
 
 }  // namespace nebulite::python

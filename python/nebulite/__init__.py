@@ -69,7 +69,9 @@ _LIGHTNING = {"NebulaCallback", "NebulaCheckpointIO", "NebulaDeepspeedStrategy"}
 
 def __getattr__(name: str) -> Any:
     if name in _API:
-        return getattr(importlib.import_module(".api", __name__), name)
+        value = getattr(importlib.import_module(".api", __name__), name)
+        globals()[name] = value  # found without this call from now on
+        return value
     if name == "api":
         return importlib.import_module(".api", __name__)
     if name in _LIGHTNING:

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 
 from . import _device, _plan, _staging
-from .errors import InvalidArgumentError
+from .errors import InvalidArgumentError, TornCheckpointError
 
 FORMAT_VERSION = 1
 INDEX_RECORD = ".nebulite/index.json"
@@ -80,10 +80,32 @@ class RecordCollector:
                 self.records.append((name, 0, int(nbytes), self.watch.defer(data, int(nbytes))))
                 self.storage_bytes += int(nbytes)
                 return
+        scanned = self.watch.scanned
+        if scanned is not None and self._copied_at_save(name, data, int(nbytes), scanned):
+            return
         self.sources.append(data)
         ptr = int(data.data_ptr())
         self.records.append((name, ptr, int(nbytes), self.watch.defer(data, int(nbytes))))
         self.storage_bytes += int(nbytes)
+
+    def _copied_at_save(self, name: str, storage: Any, nbytes: int,
+                        scanned: _staging.Scanned) -> bool:
+        """True if save() copied `storage` (the record is those bytes); raises if it is not
+        a storage save() saw: a tensor of the object was given another one since."""
+        sid = id(storage)
+        if scanned.storages.get(sid) is not storage:
+            raise TornCheckpointError(
+                f"a tensor was given another storage after save() (record {name!r})")
+        copied = scanned.copied.get(sid)
+        if copied is None:
+            return False
+        offset, size = copied
+        if size != nbytes:
+            raise TornCheckpointError(f"a storage was resized after save() (record {name!r})")
+        self.sources.append(storage)
+        self.records.append((name, scanned.address + offset, nbytes, False))
+        self.storage_bytes += nbytes
+        return True
 
     def write_record_metadata(self, name: str, nbytes: int) -> None:  # pragma: no cover
         raise InvalidArgumentError("saving with skip_data is not supported")
@@ -213,11 +235,15 @@ def skeleton_matches_torch() -> bool:
         return False
 
 
-def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str) -> RecordCollector:
+def flatten(obj: Any, *, tag: str, name: str, rank: int, version: str,
+            scanned: _staging.Scanned | None = None) -> RecordCollector:
     """Returns the records of `obj` as torch.save would write them, plus nebulite's index.
-    A structure saved under `name` before reuses its flattening (see nebulite._plan)."""
+    A structure saved under `name` before reuses its flattening (see nebulite._plan). With
+    `scanned` (what an asynchronous save recorded, see nebulite._staging.scan), `obj` is
+    its copy of the saved object, and the storages save() copied are read from that copy
+    (which the collector's watch keeps alive)."""
     structure = _plan.walk(obj)
-    collector = RecordCollector(_staging.Watch(obj, structure))
+    collector = RecordCollector(_staging.Watch(obj, structure, scanned))
     plan = _plan.find(name, structure.key)
     if plan is not None:
         for record in plan.records:

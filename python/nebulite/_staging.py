@@ -14,6 +14,14 @@ before save() returns and none waits on the host: the device's current stream wa
 once for the copies of the other tensors, and at the barrier for those of safe storages;
 the barrier commits the checkpoint once the copies landed.
 
+A save does little on the caller's thread (``scan``, in the extension): it copies the
+object's containers, records each tensor's storage and ``_version``, and copies the
+storages no optimizer manages into one buffer. Walking the object, pickling its skeleton
+and staging its records run on a staging thread (nebulite._stager), behind the same
+barrier: the next optimizer step waits for them as it waits for the copies. An object that
+is not made of dicts, lists, tuples, immutable values and plain CPU tensors, or whose
+other storages hold more than MAX_COPIED_BYTES, is staged on the caller's thread.
+
 Safe storages are known by identity (weak references to torch's storage objects, which
 torch keeps as long as the storage lives), never by address: an address that a freed
 optimizer state leaves behind may be reused by a buffer that forward changes.
@@ -30,11 +38,15 @@ torch gives ``.data`` a version counter of its own.
 
 from __future__ import annotations
 
+import collections
 import threading
 import weakref
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
+
+from . import _core
 
 _lock = threading.Lock()
 _safe_storages: "weakref.WeakSet[torch.UntypedStorage]" = weakref.WeakSet()
@@ -50,6 +62,12 @@ MIN_DEFERRED_BYTES = 0
 _DEVICES = ("cpu", "cuda")
 #: How deep the key paths of a saved object are followed to find its tensors.
 _MAX_DEPTH = 64
+#: The most bytes of storages outside the optimizers' that a save copies on the caller's
+#: thread (buffers, RNG states); an object with more is staged there whole.
+MAX_COPIED_BYTES = 64 << 20
+#: Immutable values a scanned object may hold besides str, int, float, complex, bool,
+#: bytes and None.
+_ATOMS = (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format)
 
 
 def _remember(optimizer: torch.optim.Optimizer) -> None:
@@ -112,6 +130,46 @@ def deferrable(storage: torch.UntypedStorage, nbytes: int) -> bool:
         return storage in _safe_storages
 
 
+@dataclass
+class Scanned:
+    """What ``scan`` recorded of a saved object on the caller's thread."""
+
+    obj: Any  # the saved object with its containers copied
+    views: dict[int, list[tuple[torch.Tensor, int]]]  # id(storage) -> [(tensor, _version)]
+    storages: dict[int, torch.UntypedStorage]
+    deferred: set[int]  # id(storage) of the safe storages: copied later
+    snapshot: bytearray  # the bytes of the others, copied at save()
+    address: int
+    copied: dict[int, tuple[int, int]]  # id(storage) -> (offset in snapshot, nbytes)
+    storage_bytes: int
+    layouts: list[tuple[torch.Tensor, Any, tuple[int, ...], int]]  # on copied storages
+
+    def moved(self) -> str | None:
+        """Why the object pickled now may not be the one saved (None if it is): a tensor
+        was given another storage, or one whose bytes save() copied has another layout.
+        (Changes of the deferred tensors are found at the barrier, see Watch.)"""
+        for sid, views in self.views.items():
+            storage = self.storages[sid]
+            for t, _ in views:
+                if t.untyped_storage() is not storage:
+                    return f"tensor {key_path(self.obj, t)!r} was given another storage"
+        for t, shape, stride, offset in self.layouts:
+            if t.shape != shape or t.stride() != stride or t.storage_offset() != offset:
+                return f"tensor {key_path(self.obj, t)!r} was reshaped in place"
+        return None
+
+
+def scan(obj: Any) -> Scanned | None:
+    """What an asynchronous save records of `obj` on the caller's thread (see the module's
+    text), or None where it must be staged there whole."""
+    if not any_safe():
+        return None
+    with _lock:
+        found = _core.scan(obj, torch.Tensor, torch.nn.Parameter, collections.OrderedDict, _ATOMS,
+                           _safe_storages.data, _MAX_DEPTH, MAX_COPIED_BYTES)
+    return None if found is None else Scanned(*found)
+
+
 def _tensors(obj: Any, path: tuple[Any, ...] = (), depth: int = 0,
              seen: set[int] | None = None) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
     """(key path, tensor) for every tensor reachable through dicts, lists and tuples."""
@@ -142,18 +200,26 @@ class Watch:
     they were at save() (found by nebulite._plan.walk): what the barrier checks before
     the object may be committed. Keeps the object alive until then."""
 
-    def __init__(self, obj: Any = None, structure: Any = None) -> None:
+    def __init__(self, obj: Any = None, structure: Any = None,
+                 scanned: Scanned | None = None) -> None:
         self._obj = obj
+        self.scanned = scanned  # what save() recorded, when it scanned the object
         # id(storage) -> [(tensor, _version at save)] for tensors found in the object
         self._views: dict[int, list[tuple[torch.Tensor, int]]] = (
-            structure.views if structure is not None and any_safe() else {})
+            scanned.views if scanned is not None
+            else structure.views if structure is not None and any_safe() else {})
         self.deferred: list[tuple[torch.UntypedStorage, list[tuple[torch.Tensor, int]]]] = []
 
     def defer(self, storage: torch.UntypedStorage, nbytes: int) -> bool:
         """True (and recorded) if `storage` is copied after save() returns: it is safe and
         the saved object's own tensors on it are known, so that a change shows."""
         views = self._views.get(id(storage))
-        if not views or not deferrable(storage, nbytes):
+        if not views:
+            return False
+        if self.scanned is not None:
+            if id(storage) not in self.scanned.deferred:
+                return False
+        elif not deferrable(storage, nbytes):
             return False
         self.deferred.append((storage, views))
         return True

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
+import functools
 import logging
 import os
 import sys
@@ -22,7 +23,7 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
-from . import _core, _device, _dist, _pinned, _staging, _waiting
+from . import _core, _device, _dist, _pinned, _stager, _staging, _waiting
 from ._save_dir import Placeholders
 from ._config import Config, is_store_url, parse_path, parse_seconds, read_threads, store_exists
 from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
@@ -205,6 +206,7 @@ class _Session:
         if not (self.config.agent_fallback and getattr(self.engine, "lost", False)):
             return
         lost = self.engine
+        self.stager.drain()  # what it stages into the lost engine fails with it
         try:
             lost.close(0)
         except NebuliteError:  # what it still had queued failed with it
@@ -259,6 +261,7 @@ class _Session:
         self.held_commits: list[tuple[str, str, int, bool]] = []
         self.staging_errors: list[tuple[str, str]] = []
         self.sealer = _device.Sealer()  # seals objects whose copies from a device landed
+        self.stager = _stager.Stager()  # the rest of asynchronous saves (nebulite._staging)
         self.open: dict[str, _OpenVersion] = {}
         self.placeholders = Placeholders()  # DeepSpeed's files in its save_dir
         self.deepspeed_loaded: set[tuple[str, str]] = set()  # versions DeepSpeed loaded
@@ -320,6 +323,7 @@ class _Session:
         run's lock and the store's writer lease go."""
         try:
             self.wait_staged()
+            self.stager.close()
             if self.root and isinstance(self.engine, _core.Engine):  # an agent goes on alone
                 _waiting.wait_written(self.engine, self.config.commit_timeout, self.root,
                                       "shutdown")
@@ -327,6 +331,7 @@ class _Session:
             self.engine.close(self.config.commit_timeout)
             self.replace_placeholders(gone=True)
         finally:
+            self.stager.close()
             if self._run_lock is not None:
                 self._run_lock.release()
                 self._run_lock = None
@@ -369,6 +374,10 @@ class _Session:
             return
         pending, self.pending = self.pending, []
         held, self.held_commits = self.held_commits, []
+        torn: dict[tuple[str, str], str] = {}
+        failed: dict[tuple[str, str], str] = {}
+        self.stager.start()
+        pending = self._finish_scanned(pending, torn, failed)
         try:
             self.engine.wait_staged()
         except BaseException:
@@ -376,7 +385,6 @@ class _Session:
             for tag, version, _, _ in held:
                 self.engine.abandon(tag, version)
             raise
-        torn: dict[tuple[str, str], str] = {}
         for tag, version, name, records in pending:
             if records.job is not None:
                 records.job.copies.order_after()  # what the device does next waits for them
@@ -392,7 +400,6 @@ class _Session:
                     "call nebulite.wait_staged() first)")
         # Objects copied from a device are sealed once their copies landed: the barrier
         # before an optimizer step waits on the device only; every other call, on the host.
-        failed: dict[tuple[str, str], str] = {}
         for tag, version, name, records in pending:
             job = records.job
             if job is None:
@@ -425,6 +432,33 @@ class _Session:
                 self.engine.commit(tag, version, seq, persist)
                 self.placeholders.committed(tag, version, self.rank)
         self.pending = landing + self.pending
+
+    def _finish_scanned(self, pending: list[tuple[str, str, str, Any]],
+                        torn: dict[tuple[str, str], str],
+                        failed: dict[tuple[str, str], str]) -> list[tuple[str, str, str, Any]]:
+        """`pending` with each object that save() scanned (its entry holds the staging
+        thread's job) replaced by its records once the job is done; a failed job fails its
+        checkpoint (in `torn` or `failed`)."""
+        out = []
+        for tag, version, name, records in pending:
+            if isinstance(records, _stager.Job):
+                records.done.wait()
+                e, records.error = records.error, None
+                if e is not None:
+                    if isinstance(e, TornCheckpointError):
+                        torn.setdefault((tag, version), (
+                            f"checkpoint {tag!r} ({version}) is torn and was not committed: in "
+                            f"object {name!r}, {e} after save() and before its structure was "
+                            "read (with async_staging, change saved tensors only through "
+                            "optimizer.step(), or call nebulite.wait_staged() first)"))
+                    else:
+                        failed.setdefault((tag, version), (
+                            f"checkpoint {tag!r} ({version}) was not committed: staging object "
+                            f"{name!r} failed: {e}"))
+                    continue
+                records = records.result
+            out.append((tag, version, name, records))
+        return out
 
     def stage_from_device(self, tag: str, version: str, name: str, records: Any,
                           persist_now: bool) -> None:
@@ -682,10 +716,13 @@ class Checkpoint:
             if name in v.names:
                 raise InvalidArgumentError(f"{name!r} was already saved in checkpoint {self.tag!r}")
             s.pin_memory_if_cuda()  # once, when this process has started using CUDA
+            # Asynchronous staging records what to copy here and leaves the rest to the
+            # staging thread (see nebulite._staging), unless the object is too large for the
+            # memory tier (the engine streams it from here, or refuses it).
+            scanned = _staging.scan(obj) if _staging.enabled() else None
+            if scanned is not None and scanned.storage_bytes > s.engine.memory_capacity:
+                scanned = None
             try:
-                records = flatten(obj, tag=self.tag, name=name, rank=s.rank, version=v.version)
-                if records.deferred and not records.device_copies:
-                    s.pending.append((self.tag, v.version, name, records))  # kept alive until staged
                 # With an interval of 0 every checkpoint is persisted: start writing now,
                 # unless more objects of this checkpoint follow (num_files): writing would
                 # compete with staging them for cores and memory bandwidth and lengthen the
@@ -695,11 +732,23 @@ class Checkpoint:
                 last = self.num_files <= 0 or len(v.names) + 1 >= self.num_files
                 persist_now = (bool(s.root) and s.config.persistent_time_interval == 0 and last
                                and not s.coordinated)
-                if records.device_copies:
-                    s.stage_from_device(self.tag, v.version, name, records, persist_now)
+                if scanned is not None:
+                    job = s.stager.submit(functools.partial(
+                        _stage_scanned, s.engine, self.tag, v.version, name, s.rank, scanned,
+                        persist_now))
+                    s.pending.append((self.tag, v.version, name, job))
                 else:
-                    s.engine.stage(self.tag, v.version, name, records.records, persist_now)
+                    s.stager.drain()  # a version's objects are staged in the order saved
+                    records = flatten(obj, tag=self.tag, name=name, rank=s.rank, version=v.version)
+                    if records.deferred and not records.device_copies:
+                        s.pending.append((self.tag, v.version, name, records))  # alive until staged
+                    if records.device_copies:
+                        s.stage_from_device(self.tag, v.version, name, records, persist_now)
+                    else:
+                        s.engine.stage(self.tag, v.version, name, records.records, persist_now)
+                    del records
             except BaseException:
+                s.stager.drain()  # nothing may still be staged into what goes
                 s.sealer.drain()  # no copy from a device may still land in what goes
                 # A checkpoint missing an object is no checkpoint: the version goes, with
                 # the memory and files its earlier objects took (else they would hold the
@@ -708,7 +757,6 @@ class Checkpoint:
                 del s.open[self.tag]
                 s.placeholders.abandoned(self.tag)
                 raise
-            del records
             v.names.append(name)
             if isinstance(placeholder, str):
                 s.placeholders.saved(self.tag, name, placeholder)
@@ -775,6 +823,7 @@ class Checkpoint:
                 v = _OpenVersion(self.tag, agreed)
                 s.open[self.tag] = v
             elif v.version != agreed:
+                s.stager.drain()  # its objects are staged under the old name first
                 s.engine.rename_version(self.tag, v.version, agreed)
                 v.version = agreed
             s.counter = max(s.counter, number)
@@ -794,6 +843,7 @@ class Checkpoint:
         if persist:
             s.last_persist = now
         del s.open[self.tag]
+        s.stager.start()  # the rest of its asynchronous saves (see nebulite._stager)
         return True
 
     def _fail_mismatched_tags(self, s: _Session, v: _OpenVersion | None) -> None:
@@ -869,6 +919,24 @@ class Checkpoint:
 
     def list_names(self) -> list[str]:
         return list(self._committed["names"]) if self._committed else []
+
+
+def _stage_scanned(engine: Any, tag: str, version: str, name: str, rank: int,
+                   scanned: _staging.Scanned, persist_now: bool) -> Any:
+    """What the staging thread does for an object save() scanned: checks that its structure
+    is still the one saved, flattens it (reading the storages save() copied from its copy
+    of them), and stages the records; returns them (they keep the sources alive)."""
+    def unmoved() -> None:
+        why = scanned.moved()
+        if why is not None:
+            raise TornCheckpointError(why)
+
+    unmoved()
+    records = flatten(scanned.obj, tag=tag, name=name, rank=rank, version=version,
+                      scanned=scanned)
+    unmoved()  # nor while it was pickled
+    engine.stage(tag, version, name, records.records, persist_now)
+    return records
 
 
 def _load_from_lease(lease: Any, c: dict[str, Any], name: str, map_location: Any, weights_only: bool) -> Any:

@@ -1,0 +1,105 @@
+"""The staging thread of asynchronous staging: runs, one at a time and in the order given,
+the work an asynchronous save leaves behind it (walking and pickling the object, staging
+its records; see nebulite._staging). The optimizer's barrier waits for it.
+
+Jobs wait until start() (a checkpoint's commit, or anyone who waits for them): the work is
+Python that needs the interpreter's lock, and taking it from the saves of the checkpoint's
+other objects, made right after, would make each of them wait for it.
+
+The jobs never take nebulite.api's lock: the callers that wait for them hold it.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+from typing import Any, Callable
+
+
+class Job:
+    """One piece of work; `result` or `error` once `done` is set."""
+
+    __slots__ = ("fn", "done", "result", "error")
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn: Callable[[], Any] | None = fn
+        self.done = threading.Event()
+        self.result: Any = None
+        self.error: BaseException | None = None
+
+    def wait(self) -> Any:
+        """The result; raises what the work raised."""
+        self.done.wait()
+        if self.error is not None:
+            raise self.error
+        return self.result
+
+
+class Stager:
+    """A thread, started by the first job and stopped by close()."""
+
+    def __init__(self) -> None:
+        self._jobs: collections.deque[Job] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = False
+        self._started = 0  # jobs that may run: those submitted before the last start()
+        self._thread: threading.Thread | None = None
+        self._closed = False
+
+    def submit(self, fn: Callable[[], Any]) -> Job:
+        """Queues `fn`; it runs after the next start()."""
+        job = Job(fn)
+        with self._cv:
+            if self._closed:
+                raise RuntimeError("the staging thread is closed")
+            self._jobs.append(job)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="nebulite-stager",
+                                                daemon=True)
+                self._thread.start()
+        return job
+
+    def start(self) -> None:
+        """Lets every job submitted so far run."""
+        with self._cv:
+            if self._started < len(self._jobs):
+                self._started = len(self._jobs)
+                self._cv.notify_all()
+
+    def drain(self) -> None:
+        """Returns once every job submitted so far is done."""
+        self.start()
+        with self._cv:
+            while self._jobs or self._busy:
+                self._cv.wait()
+
+    def close(self) -> None:
+        """Runs what was submitted, then stops the thread."""
+        with self._cv:
+            self._closed = True
+            self._started = len(self._jobs)
+            self._cv.notify_all()
+            thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while not self._started and not self._closed:
+                    self._cv.wait()
+                if not self._jobs:
+                    return
+                job = self._jobs.popleft()
+                self._started = max(self._started - 1, 0)
+                self._busy = True
+            try:
+                job.result = job.fn()  # type: ignore[misc]
+            except BaseException as e:  # handed to whoever waits for the job
+                job.error = e
+            finally:
+                job.fn = None
+                with self._cv:
+                    self._busy = False
+                    job.done.set()
+                    self._cv.notify_all()
