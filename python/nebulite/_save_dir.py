@@ -57,6 +57,10 @@ class Placeholders:
     def waiting(self) -> bool:
         return bool(self._waiting)
 
+    def versions(self) -> set[tuple[str, str]]:
+        """The (tag, version) pairs that waiting placeholders belong to."""
+        return {(p.tag, p.version) for p in self._waiting}
+
     def saved(self, tag: str, name: str, path: str) -> None:
         self._saved[(tag, name)] = path
 

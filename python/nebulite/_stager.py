@@ -36,7 +36,9 @@ class Job:
 
 
 class Stager:
-    """A thread, started by the first job and stopped by close()."""
+    """A thread while started jobs wait or run; drain() stops it once they are done (no
+    thread outlives the work, as Lightning's tests of leftover threads expect). Driven by
+    one thread at a time (the callers hold nebulite.api's lock)."""
 
     def __init__(self) -> None:
         self._jobs: collections.deque[Job] = collections.deque()
@@ -44,6 +46,7 @@ class Stager:
         self._busy = False
         self._started = 0  # jobs that may run: those submitted before the last start()
         self._thread: threading.Thread | None = None
+        self._stop = False
         self._closed = False
 
     def submit(self, fn: Callable[[], Any]) -> Job:
@@ -53,10 +56,6 @@ class Stager:
             if self._closed:
                 raise RuntimeError("the staging thread is closed")
             self._jobs.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="nebulite-stager",
-                                                daemon=True)
-                self._thread.start()
         return job
 
     def start(self) -> None:
@@ -64,34 +63,44 @@ class Stager:
         with self._cv:
             if self._started < len(self._jobs):
                 self._started = len(self._jobs)
+                if self._thread is None:
+                    self._thread = threading.Thread(target=self._run, name="nebulite-stager",
+                                                    daemon=True)
+                    self._thread.start()
                 self._cv.notify_all()
 
-    def drain(self) -> None:
-        """Returns once every job submitted so far is done."""
+    def drain(self, stop: bool = True) -> None:
+        """Returns once every job submitted so far is done and, with `stop`, the thread has
+        stopped (the optimizer's barrier keeps it for the next checkpoint: starting a thread
+        in the commit would cost its caller a tenth of a millisecond)."""
         self.start()
         with self._cv:
             while self._jobs or self._busy:
                 self._cv.wait()
-
-    def close(self) -> None:
-        """Runs what was submitted, then stops the thread."""
-        with self._cv:
-            self._closed = True
-            self._started = len(self._jobs)
+            if not stop:
+                return
+            thread, self._stop = self._thread, True
             self._cv.notify_all()
-            thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join()
+        with self._cv:
+            self._thread, self._stop = None, False
+
+    def close(self) -> None:
+        """Runs what was submitted, then stops the thread for good."""
+        self.drain()
+        with self._cv:
+            self._closed = True
 
     def _run(self) -> None:
         while True:
             with self._cv:
-                while not self._started and not self._closed:
+                while not self._started and not self._stop:
                     self._cv.wait()
-                if not self._jobs:
+                if not self._started:
                     return
                 job = self._jobs.popleft()
-                self._started = max(self._started - 1, 0)
+                self._started -= 1
                 self._busy = True
             try:
                 job.result = job.fn()  # type: ignore[misc]

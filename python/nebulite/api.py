@@ -327,6 +327,11 @@ class _Session:
             if self.root and isinstance(self.engine, _core.Engine):  # an agent goes on alone
                 _waiting.wait_written(self.engine, self.config.commit_timeout, self.root,
                                       "shutdown")
+            elif self.root and self.placeholders.waiting:
+                # ... but DeepSpeed's placeholders are replaced by this process: those of
+                # versions the agent is writing now are replaced once they are committed.
+                _waiting.wait_written(self.engine, self.config.commit_timeout, self.root,
+                                      "shutdown", only=self.placeholders.versions())
             self.release_pinned()  # before the engine unmaps its arena
             self.engine.close(self.config.commit_timeout)
             self.replace_placeholders(gone=True)
@@ -376,7 +381,7 @@ class _Session:
         held, self.held_commits = self.held_commits, []
         torn: dict[tuple[str, str], str] = {}
         failed: dict[tuple[str, str], str] = {}
-        self.stager.start()
+        self.stager.drain(stop=not on_device)
         pending = self._finish_scanned(pending, torn, failed)
         try:
             self.engine.wait_staged()
