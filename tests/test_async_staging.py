@@ -303,6 +303,9 @@ def test_objects_the_scan_does_not_take_are_staged_on_the_callers_thread(store, 
     nm.init(persistent_storage_path=store, async_staging=True)
     model, opt = _stepped_model()
     assert _staging.scan({"c": Custom(torch.ones(2))}) is None
+    tagged = torch.ones(2)
+    tagged.owner = torch.zeros(1)  # an attribute of its own: pickled with it by torch
+    assert _staging.scan({"t": tagged}) is None
     assert _staging.scan({"m": model.state_dict()}) is not None
     monkeypatch.setattr(_staging, "MAX_COPIED_BYTES", 1024)  # the buffers alone are more
     assert _staging.scan({"m": model.state_dict()}) is None

@@ -117,6 +117,9 @@ class Scanner {
   void Tensor(PyObject* x) {
     const Names& n = N();
     if (Attr(x, n.is_cpu).ptr() != Py_True) throw NotScannable{};  // a device's: its own path
+    // Attributes of its own are pickled with it (torch's reduction): not seen here.
+    nb::object attrs = Attr(x, n.dict);
+    if (!PyDict_Check(attrs.ptr()) || PyDict_GET_SIZE(attrs.ptr()) > 0) throw NotScannable{};
     nb::object s = Call(x, n.untyped_storage);
     nb::object id = nb::steal(Check(PyLong_FromVoidPtr(s.ptr())));
     PyObject* views = PyDict_GetItemWithError(views_.ptr(), id.ptr());
