@@ -12,6 +12,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "attribute_names.h"
 #include "status_binding.h"
 
 namespace nb = nanobind;
@@ -21,24 +22,6 @@ namespace {
 
 // Raised inside the scan for an object it does not take: the save goes the synchronous way.
 struct NotScannable {};
-
-struct Names {
-  PyObject* untyped_storage = PyUnicode_InternFromString("untyped_storage");
-  PyObject* version = PyUnicode_InternFromString("_version");
-  PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
-  PyObject* data_ptr = PyUnicode_InternFromString("data_ptr");
-  PyObject* nbytes = PyUnicode_InternFromString("nbytes");
-  PyObject* items = PyUnicode_InternFromString("items");
-  PyObject* dict = PyUnicode_InternFromString("__dict__");
-  PyObject* shape = PyUnicode_InternFromString("shape");
-  PyObject* stride = PyUnicode_InternFromString("stride");
-  PyObject* storage_offset = PyUnicode_InternFromString("storage_offset");
-};
-
-const Names& N() {
-  static const Names* names = new Names();  // never freed: outlives the interpreter's use
-  return *names;
-}
 
 // A new reference, or NotScannable when Python raised (the error is cleared).
 PyObject* Check(PyObject* r) {

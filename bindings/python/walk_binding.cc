@@ -1,7 +1,8 @@
 // nebulite._core.walk: the one walk of a saved object (nebulite._plan documents what it
-// finds and why). It is the per-tensor work a save does on the caller's thread, so it runs
-// here, through the CPython API, at a few attribute reads per tensor; torch is reached only
-// through its Python objects, never linked.
+// finds and why). It is the per-tensor work of a save (on the caller's thread, or on the
+// staging thread for an asynchronous save, see scan_binding.cc), so it runs here, through the
+// CPython API, at a few attribute reads per tensor; torch is reached only through its Python
+// objects, never linked.
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
@@ -9,42 +10,13 @@
 #include <unordered_map>
 #include <vector>
 
+#include "attribute_names.h"
 #include "status_binding.h"
 
 namespace nb = nanobind;
 
 namespace nebulite::python {
 namespace {
-
-// Interned attribute names, made once (under the GIL).
-struct Names {
-  PyObject* layout = PyUnicode_InternFromString("layout");
-  PyObject* is_meta = PyUnicode_InternFromString("is_meta");
-  PyObject* untyped_storage = PyUnicode_InternFromString("untyped_storage");
-  PyObject* nbytes = PyUnicode_InternFromString("nbytes");
-  PyObject* version = PyUnicode_InternFromString("_version");
-  PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
-  PyObject* is_cuda = PyUnicode_InternFromString("is_cuda");
-  PyObject* device = PyUnicode_InternFromString("device");
-  PyObject* dict = PyUnicode_InternFromString("__dict__");
-  PyObject* backward_hooks = PyUnicode_InternFromString("_backward_hooks");
-  PyObject* is_quantized = PyUnicode_InternFromString("is_quantized");
-  PyObject* is_conj = PyUnicode_InternFromString("is_conj");
-  PyObject* is_neg = PyUnicode_InternFromString("is_neg");
-  PyObject* dtype = PyUnicode_InternFromString("dtype");
-  PyObject* shape = PyUnicode_InternFromString("shape");
-  PyObject* stride = PyUnicode_InternFromString("stride");
-  PyObject* storage_offset = PyUnicode_InternFromString("storage_offset");
-  PyObject* requires_grad = PyUnicode_InternFromString("requires_grad");
-  PyObject* hex = PyUnicode_InternFromString("hex");
-  PyObject* items = PyUnicode_InternFromString("items");
-  PyObject* again = PyUnicode_InternFromString("again");
-};
-
-const Names& N() {
-  static const Names* names = new Names();  // never freed: outlives the interpreter's use
-  return *names;
-}
 
 nb::object Attr(PyObject* x, PyObject* name) {
   PyObject* r = PyObject_GetAttr(x, name);

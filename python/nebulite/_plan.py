@@ -50,7 +50,8 @@ class Structure:
 
 def walk(obj: Any) -> Structure:
     """The structure of `obj` (see the module's text), in one pass of nebulite._core.walk:
-    the per-tensor work of every save, on the caller's thread."""
+    the per-tensor work of every save, on the caller's thread (for an asynchronous save that
+    nebulite._staging.scan took, on the staging thread)."""
     key, storages, views = _core.walk(obj, Tensor, Parameter, strided, OrderedDict, MAX_DEPTH)
     return Structure(key, storages, views)
 

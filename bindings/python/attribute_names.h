@@ -1,0 +1,39 @@
+// The attribute names the extension reads of torch's Python objects (nebulite._core.walk
+// and nebulite._core.scan), interned once, under the GIL.
+#pragma once
+
+#include <Python.h>
+
+namespace nebulite::python {
+
+struct Names {
+  PyObject* layout = PyUnicode_InternFromString("layout");
+  PyObject* is_meta = PyUnicode_InternFromString("is_meta");
+  PyObject* untyped_storage = PyUnicode_InternFromString("untyped_storage");
+  PyObject* nbytes = PyUnicode_InternFromString("nbytes");
+  PyObject* version = PyUnicode_InternFromString("_version");
+  PyObject* is_cpu = PyUnicode_InternFromString("is_cpu");
+  PyObject* is_cuda = PyUnicode_InternFromString("is_cuda");
+  PyObject* device = PyUnicode_InternFromString("device");
+  PyObject* dict = PyUnicode_InternFromString("__dict__");
+  PyObject* backward_hooks = PyUnicode_InternFromString("_backward_hooks");
+  PyObject* is_quantized = PyUnicode_InternFromString("is_quantized");
+  PyObject* is_conj = PyUnicode_InternFromString("is_conj");
+  PyObject* is_neg = PyUnicode_InternFromString("is_neg");
+  PyObject* dtype = PyUnicode_InternFromString("dtype");
+  PyObject* shape = PyUnicode_InternFromString("shape");
+  PyObject* stride = PyUnicode_InternFromString("stride");
+  PyObject* storage_offset = PyUnicode_InternFromString("storage_offset");
+  PyObject* requires_grad = PyUnicode_InternFromString("requires_grad");
+  PyObject* hex = PyUnicode_InternFromString("hex");
+  PyObject* items = PyUnicode_InternFromString("items");
+  PyObject* again = PyUnicode_InternFromString("again");
+  PyObject* data_ptr = PyUnicode_InternFromString("data_ptr");
+};
+
+inline const Names& N() {
+  static const Names* names = new Names();  // never freed: outlives the interpreter's use
+  return *names;
+}
+
+}  // namespace nebulite::python
