@@ -1,6 +1,6 @@
 """Object stores: nebulite's persistence and load against the client library used directly.
 
-    python benchmarks/bench_object_stores.py                       # az, s3, gs; 256 MiB, 3 reps
+    python benchmarks/bench_object_stores.py                       # az, s3, gs; 256 MiB, 6 reps
     python benchmarks/bench_object_stores.py --stores s3 --mb 1024 --reps 5
     python benchmarks/bench_object_stores.py --smoke               # 8 MiB, 1 rep (the smoke test)
 
@@ -21,7 +21,10 @@ the same bytes (one float32 tensor of --mb MiB of random values):
   catalog and the manifest, then reads and CRC-checks the data file into the buffers the
   load hands out) and ``load()``; the loaded tensor is compared with the saved one.
 
-Each candidate runs --reps times (median reported), taking turns at going first. The peak
+Each candidate runs --reps times (median reported), taking turns at going first, and each
+starts once the emulator is idle: an emulator still busy with the previous candidate's
+requests (moto joins and frees a multipart upload's parts after it has answered) slows
+whichever candidate comes second. The peak
 RSS increase of the process during each upload is sampled in a thread. Prints a table per
 store with the ratios against the targets and writes benchmarks/results/object-stores-*.json.
 benchmarks/README.md explains the figures.
@@ -374,6 +377,28 @@ def _nebulite_load(url: str, tag: str, tensor: torch.Tensor) -> dict[str, Any]:
             "equal": bool(torch.equal(loaded, tensor)), "requests": requests}
 
 
+def _settle(emu, quiet_s: float = 0.2, at_most_s: float = 5.0) -> None:
+    """Returns once the emulator's process used under 2% of a core for `quiet_s` (or after
+    `at_most_s`): what it still does for the previous candidate is not timed in the next."""
+    if emu.proc is None:
+        return
+    try:
+        root = psutil.Process(emu.proc.pid)
+        procs = [root] + root.children(recursive=True)  # a wrapper's server, too
+
+        def used() -> float:
+            return sum(sum(p.cpu_times()[:2]) for p in procs)
+
+        end = time.monotonic() + at_most_s
+        while time.monotonic() < end:
+            before = used()
+            time.sleep(quiet_s)
+            if used() - before < 0.02 * quiet_s:
+                return
+    except psutil.Error:
+        return
+
+
 def _timed(fn: Callable[[], Any]) -> tuple[float, int, Any]:
     rss = PeakRss()
     t0 = time.perf_counter()
@@ -426,6 +451,7 @@ def _rep(direct, uploads: dict, downloads: dict, emu, tensor: torch.Tensor, rep:
     if rep % 2:
         up_order.reverse()
     for name in up_order:
+        _settle(emu)
         if name == NEB_PERSIST:
             r = _nebulite_persist(url, tag, tensor)
         else:
@@ -440,6 +466,7 @@ def _rep(direct, uploads: dict, downloads: dict, emu, tensor: torch.Tensor, rep:
     if rep % 2 == 0:  # the other way round than the uploads
         down_order.reverse()
     for name in down_order:
+        _settle(emu)
         if name == NEB_LOAD:
             r = _nebulite_load(url, tag, tensor)
         else:
@@ -578,7 +605,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--stores", default=",".join(STORES), help="comma-separated: az, s3, gs")
     ap.add_argument("--mb", type=int, default=256, help="MiB of state (default 256)")
-    ap.add_argument("--reps", type=int, default=3, help="repetitions per candidate (default 3)")
+    ap.add_argument("--reps", type=int, default=6,
+                    help="repetitions per candidate (default 6: as often first as second)")
     ap.add_argument("--smoke", action="store_true", help="8 MiB, 1 rep")
     ap.add_argument("--out", default=str(HERE / "results"), help="where the JSON goes")
     ap.add_argument("--quiet", action="store_true", help="no line per timed run")
