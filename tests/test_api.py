@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 import warnings
 import zipfile
 
@@ -608,6 +609,41 @@ def test_forked_child_does_not_inherit_the_session(store, tmp_path):
     nebulite.flush_persistence()
     assert nebulite.get_latest_checkpoint().tag == "parent"
     assert nebulite.get_latest_checkpoint(persist_path=child_store).load("y").shape == (2,)
+
+
+def test_a_forked_child_never_closes_an_engine_it_inherited(store):
+    """An engine the parent still held when it forked (in garbage not collected yet, say)
+    is left alone when the child drops it: its threads did not survive the fork, and
+    closing it would wait for them forever."""
+    import gc
+    import signal
+
+    nebulite.init(persistent_storage_path=store)
+    nebulite.Checkpoint("p").save("x", torch.ones(3))
+    engine = nebulite.api._session.engine
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            nebulite.api._left_behind.clear()  # the last references to the parent's engine
+            del engine
+            gc.collect()
+            code = 0
+        finally:
+            os._exit(code)
+    # A child that waits for the parent's threads ends, at best, when the engine's 60 s
+    # close timeout runs out; one that leaves the engine alone ends at once.
+    deadline = time.monotonic() + 30
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
+    if not done:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done and os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
+    assert nebulite.get_latest_checkpoint().load("x").shape == (3,)  # the parent's goes on
 
 
 def test_forked_child_can_load_from_its_own_memory_tier(store, tmp_path):

@@ -4,6 +4,7 @@
 #include "nebulite/engine.h"
 
 #include <sys/sysinfo.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstring>
@@ -65,7 +66,8 @@ class LeaseImpl : public ObjectLease {
 
 class EngineImpl : public Engine {
  public:
-  explicit EngineImpl(std::shared_ptr<EngineCore> core) : core_(std::move(core)) {
+  explicit EngineImpl(std::shared_ptr<EngineCore> core)
+      : core_(std::move(core)), owner_(getpid()) {
     EngineCore& c = *core_;
     c.stager = std::make_unique<Stager>(&c);
     c.stager->Start(core_);
@@ -79,7 +81,16 @@ class EngineImpl : public Engine {
     }
   }
 
-  ~EngineImpl() override { (void)Close(60); }
+  ~EngineImpl() override {
+    if (getpid() != owner_) {
+      // A forked child holds a copy of the engine without its threads, and with the
+      // state they left in its mutexes and condition variables at the fork: closing it
+      // would wait for them forever. It is never closed or destroyed there.
+      new std::shared_ptr<EngineCore>(std::move(core_));
+      return;
+    }
+    (void)Close(60);
+  }
 
   // -- staging ------------------------------------------------------------------------
 
@@ -659,6 +670,7 @@ class EngineImpl : public Engine {
   }
 
   std::shared_ptr<EngineCore> core_;
+  const pid_t owner_;  // the process that opened it
   std::atomic<bool> closed_{false};
 };
 
