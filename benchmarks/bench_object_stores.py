@@ -22,9 +22,8 @@ the same bytes (one float32 tensor of --mb MiB of random values):
   load hands out) and ``load()``; the loaded tensor is compared with the saved one.
 
 Each candidate runs --reps times (median reported), taking turns at going first, and each
-starts once the emulator is idle: an emulator still busy with the previous candidate's
-requests (moto joins and frees a multipart upload's parts after it has answered) slows
-whichever candidate comes second. The peak
+starts once the emulator is idle, so that none is timed while the emulator still works
+for the one before. The peak
 RSS increase of the process during each upload is sampled in a thread. Prints a table per
 store with the ratios against the targets and writes benchmarks/results/object-stores-*.json.
 benchmarks/README.md explains the figures.
