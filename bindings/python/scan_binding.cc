@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cstring>
 #include <unordered_map>
+#include <unordered_set>
 #include <vector>
 
 #include "attribute_names.h"
@@ -61,8 +62,8 @@ class Scanner {
     // The storages that may change before the next optimizer step, copied now.
     uint64_t total = 0;
     for (const Copied& c : copies_) total += Aligned(c.nbytes);
-    nb::object snapshot = nb::steal(Check(PyByteArray_FromStringAndSize(nullptr, 0)));
-    if (total > 0) Ok(PyByteArray_Resize(snapshot.ptr(), static_cast<Py_ssize_t>(total)));
+    nb::object snapshot =
+        nb::steal(Check(PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(total))));
     char* base = PyByteArray_AS_STRING(snapshot.ptr());
     nb::dict at;
     uint64_t offset = 0;
@@ -106,7 +107,7 @@ class Scanner {
     nb::object s = Call(x, n.untyped_storage);
     nb::object id = nb::steal(Check(PyLong_FromVoidPtr(s.ptr())));
     PyObject* views = PyDict_GetItemWithError(views_.ptr(), id.ptr());
-    bool copied;
+    bool copied;  // this storage's bytes are copied now
     if (views == nullptr) {
       if (PyErr_Occurred()) throw nb::python_error();
       nb::object fresh = nb::steal(Check(PyList_New(0)));
@@ -120,7 +121,6 @@ class Scanner {
       const uint64_t nbytes = Unsigned(Call(s.ptr(), n.nbytes));
       storage_bytes_ += nbytes;
       copied = !safe;
-      copied_[s.ptr()] = copied;
       if (safe) {
         Ok(PySet_Add(deferred_.ptr(), id.ptr()));
       } else {
@@ -130,7 +130,9 @@ class Scanner {
         copies_.push_back({id, static_cast<uintptr_t>(address), nbytes});
       }
     } else {
-      copied = copied_[s.ptr()];
+      const int safe = PySet_Contains(deferred_.ptr(), id.ptr());
+      if (safe < 0) throw nb::python_error();
+      copied = !safe;
     }
     Ok(PyList_Append(views, nb::make_tuple(nb::handle(x), Attr(x, n.version)).ptr()));
     // The bytes of a copied storage are the ones at save(), its tensors' layout must be too.
@@ -145,17 +147,14 @@ class Scanner {
     PyTypeObject* t = Py_TYPE(x);
     PyObject* type = reinterpret_cast<PyObject*>(t);
     if (type == tensor_ || type == parameter_) {
-      auto [it, fresh] = tensors_.emplace(x, true);
-      if (fresh) Tensor(x);
+      if (tensors_.insert(x).second) Tensor(x);
       return nb::borrow(x);
     }
     if (t == &PyUnicode_Type || t == &PyLong_Type || t == &PyBool_Type || x == Py_None ||
         t == &PyBytes_Type || t == &PyFloat_Type || t == &PyComplex_Type)
       return nb::borrow(x);
-    if (PyTuple_GET_SIZE(atoms_) > 0) {
-      for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(atoms_); ++i)
-        if (type == PyTuple_GET_ITEM(atoms_, i)) return nb::borrow(x);
-    }
+    for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(atoms_); ++i)
+      if (type == PyTuple_GET_ITEM(atoms_, i)) return nb::borrow(x);
     const bool is_dict = t == &PyDict_Type, is_odict = type == ordered_dict_;
     const bool is_list = t == &PyList_Type, is_tuple = t == &PyTuple_Type;
     if (!(is_dict || is_odict || is_list || is_tuple) || depth >= max_depth_) throw NotScannable{};
@@ -227,8 +226,7 @@ class Scanner {
   nb::set deferred_;   // id(storage) of the safe ones
   nb::list layouts_;   // [(tensor, shape, stride, offset)] of tensors on copied storages
   std::vector<Copied> copies_;
-  std::unordered_map<PyObject*, bool> copied_;  // storage -> copied at save
-  std::unordered_map<PyObject*, bool> tensors_;
+  std::unordered_set<PyObject*> tensors_;  // met already
   std::unordered_map<PyObject*, PyObject*> copies_of_;
   std::vector<nb::object> alive_;
 };

@@ -27,13 +27,6 @@ class Job:
         self.result: Any = None
         self.error: BaseException | None = None
 
-    def wait(self) -> Any:
-        """The result; raises what the work raised."""
-        self.done.wait()
-        if self.error is not None:
-            raise self.error
-        return self.result
-
 
 class Stager:
     """A thread while started jobs wait or run; drain() stops it once they are done (no
