@@ -322,8 +322,7 @@ class _Session:
         """Drains pending persistence (for at most the commit timeout), then lets the
         run's lock and the store's writer lease go."""
         try:
-            self.wait_staged()
-            self.stager.close()
+            self.wait_staged()  # runs what the staging thread still had
             if self.root and isinstance(self.engine, _core.Engine):  # an agent goes on alone
                 _waiting.wait_written(self.engine, self.config.commit_timeout, self.root,
                                       "shutdown")
@@ -398,11 +397,7 @@ class _Session:
             records.checked = True  # ordered after its copies now: checked once
             why = records.watch.changed()
             if why is not None and (tag, version) not in torn:
-                torn[(tag, version)] = (
-                    f"checkpoint {tag!r} ({version}) is torn and was not committed: in object "
-                    f"{name!r}, {why} after save() and before its bytes were copied (with "
-                    "async_staging, change saved tensors only through optimizer.step(), or "
-                    "call nebulite.wait_staged() first)")
+                torn[(tag, version)] = _torn(tag, version, name, why, "its bytes were copied")
         # Objects copied from a device are sealed once their copies landed: the barrier
         # before an optimizer step waits on the device only; every other call, on the host.
         for tag, version, name, records in pending:
@@ -451,11 +446,8 @@ class _Session:
                 e, records.error = records.error, None
                 if e is not None:
                     if isinstance(e, TornCheckpointError):
-                        torn.setdefault((tag, version), (
-                            f"checkpoint {tag!r} ({version}) is torn and was not committed: in "
-                            f"object {name!r}, {e} after save() and before its structure was "
-                            "read (with async_staging, change saved tensors only through "
-                            "optimizer.step(), or call nebulite.wait_staged() first)"))
+                        torn.setdefault((tag, version),
+                                        _torn(tag, version, name, e, "its structure was read"))
                     else:
                         failed.setdefault((tag, version), (
                             f"checkpoint {tag!r} ({version}) was not committed: staging object "
@@ -524,6 +516,13 @@ def _newest_claimed_seq(root: str) -> int:
         return int(_core.newest_claimed_seq(root))
     except NebuliteError:
         return 0
+
+
+def _torn(tag: str, version: str, name: str, why: object, before: str) -> str:
+    """What a checkpoint that asynchronous staging found torn is failed with."""
+    return (f"checkpoint {tag!r} ({version}) is torn and was not committed: in object {name!r}, "
+            f"{why} after save() and before {before} (with async_staging, change saved tensors "
+            "only through optimizer.step(), or call nebulite.wait_staged() first)")
 
 
 def _raise_persist_errors(errors: list[tuple[str, str]]) -> None:
