@@ -214,6 +214,41 @@ def test_a_freed_storage_whose_address_is_reused_is_not_deferred(store):
     assert not records.deferred
 
 
+def test_safe_storages_are_known_by_identity_not_by_id(store):
+    """The registry of safe storages is keyed by id(storage): a freed storage's entry goes
+    with it, and an entry whose weak reference is to another storage than the one that has
+    its id now never makes that one safe (neither for the scan nor for the walk)."""
+    import gc
+    import weakref
+
+    nm.init(persistent_storage_path=store, async_staging=True)
+    p = torch.nn.Parameter(torch.zeros(1024))
+    opt = torch.optim.SGD([p], lr=0.1)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    key = id(p.untyped_storage())
+    assert _staging.deferrable(p.untyped_storage(), p.nbytes)
+    assert key in _staging._safe_storages
+    del p, opt
+    gc.collect()
+    assert key not in _staging._safe_storages  # the storage's entry left with it
+
+    # A stale entry: the id of a live storage, pointing at another storage.
+    other = torch.nn.Parameter(torch.zeros(1024))
+    opt = torch.optim.SGD([other], lr=0.1)
+    other.grad = torch.ones_like(other)
+    opt.step()  # something is safe, so saves are scanned
+    buffer = torch.ones(1024)
+    _staging._safe_storages[id(buffer.untyped_storage())] = weakref.ref(other.untyped_storage())
+    assert not _staging.deferrable(buffer.untyped_storage(), buffer.nbytes)
+    scanned = _staging.scan({"buffer": buffer, "other": other.detach()})
+    assert scanned is not None
+    assert id(buffer.untyped_storage()) not in scanned.deferred
+    assert id(buffer.untyped_storage()) in scanned.copied
+    assert id(other.untyped_storage()) in scanned.deferred
+    assert not flatten({"buffer": buffer}, tag="t", name="b", rank=0, version="v").deferred
+
+
 def _walked_on(monkeypatch) -> set[int]:
     """The threads that walk saved objects from now on."""
     from nebulite import _plan

@@ -92,6 +92,22 @@ class Scanner {
   nb::object Call(PyObject* x, PyObject* name) {
     return nb::steal(Check(PyObject_CallMethodNoArgs(x, name)));
   }
+  // True if `ref` (borrowed, may be null) is a weak reference to `target`.
+  static bool Refers(PyObject* ref, PyObject* target) {
+    if (ref == nullptr) {
+      if (PyErr_Occurred()) throw nb::python_error();
+      return false;
+    }
+    if (!PyWeakref_Check(ref)) return false;
+#if PY_VERSION_HEX >= 0x030D0000
+    PyObject* obj = nullptr;
+    if (PyWeakref_GetRef(ref, &obj) < 0) throw nb::python_error();
+    Py_XDECREF(obj);  // only compared: `target` keeps it alive if it is the same
+    return obj == target;
+#else
+    return PyWeakref_GET_OBJECT(ref) == target;
+#endif
+  }
   uint64_t Unsigned(const nb::object& o) {
     const unsigned long long v = PyLong_AsUnsignedLongLong(o.ptr());
     if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) Check(nullptr);
@@ -114,10 +130,9 @@ class Scanner {
       Ok(PyDict_SetItem(views_.ptr(), id.ptr(), fresh.ptr()));
       Ok(PyDict_SetItem(storages_.ptr(), id.ptr(), s.ptr()));
       views = fresh.ptr();
-      // Safe storages are known by identity, as `storage in WeakSet` tests it.
-      nb::object ref = nb::steal(Check(PyWeakref_NewRef(s.ptr(), nullptr)));
-      const int safe = PySet_Contains(safe_, ref.ptr());
-      if (safe < 0) throw nb::python_error();
+      // Safe storages are known by identity: an entry of `safe` under the storage's id
+      // whose weak reference is to this very storage.
+      const bool safe = Refers(PyDict_GetItemWithError(safe_, id.ptr()), s.ptr());
       const uint64_t nbytes = Unsigned(Call(s.ptr(), n.nbytes));
       storage_bytes_ += nbytes;
       copied = !safe;
@@ -237,16 +252,17 @@ void RegisterScan(nb::module_& m) {
   m.def(
       "scan",
       [](nb::handle obj, nb::handle tensor, nb::handle parameter, nb::handle ordered_dict,
-         nb::tuple atoms, nb::set safe, int max_depth, uint64_t max_copy_bytes) {
+         nb::tuple atoms, nb::dict safe, int max_depth, uint64_t max_copy_bytes) {
         return Scanner(tensor, parameter, ordered_dict, atoms, safe, max_depth, max_copy_bytes)
             .Run(obj);
       },
       nb::arg("obj").none(), nb::arg("tensor"), nb::arg("parameter"), nb::arg("ordered_dict"),
       nb::arg("atoms"), nb::arg("safe"), nb::arg("max_depth"), nb::arg("max_copy_bytes"),
       "None if `obj` is not made of dicts, OrderedDicts, lists, tuples, immutable values "
-      "(`atoms` among them) and plain CPU tensors, or if the storages outside `safe` (weak "
-      "references) hold more than max_copy_bytes; else (copy of obj's containers, "
-      "{id(storage): [(tensor, _version)]}, {id(storage): storage}, {id(storage) in safe}, "
+      "(`atoms` among them) and plain CPU tensors, or if the storages outside `safe` "
+      "({id(storage): weak reference to it}) hold more than max_copy_bytes; else (copy of "
+      "obj's containers, {id(storage): [(tensor, _version)]}, {id(storage): storage}, "
+      "{id(storage) in safe}, "
       "bytearray with the other storages' bytes, its address, {id(storage): (offset in it, "
       "nbytes)}, bytes of all the storages, [(tensor, shape, stride, offset)] of the tensors "
       "on the copied storages): see "

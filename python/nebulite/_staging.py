@@ -39,6 +39,7 @@ torch gives ``.data`` a version counter of its own.
 from __future__ import annotations
 
 import collections
+import functools
 import threading
 import weakref
 from dataclasses import dataclass
@@ -48,8 +49,13 @@ import torch
 
 from . import _core
 
-_lock = threading.Lock()
-_safe_storages: "weakref.WeakSet[torch.UntypedStorage]" = weakref.WeakSet()
+_lock = threading.RLock()  # reentrant: a freed storage's callback may run while it is held
+#: The safe storages: id(storage) -> weak reference to it. An entry leaves when its
+#: storage is freed (the reference's callback), so that its id, reused by a later storage,
+#: is not taken for it; lookups still check that the reference is to the storage asked
+#: about. A dict rather than a WeakSet: the scan asks once per tensor, and a lookup by id
+#: costs a tenth of making the weak reference that `storage in WeakSet` makes.
+_safe_storages: dict[int, "weakref.ref[torch.UntypedStorage]"] = {}
 _hook_handle: Any = None
 _waiter: Callable[[], None] | None = None
 
@@ -82,7 +88,18 @@ def _remember(optimizer: torch.optim.Optimizer) -> None:
                 if isinstance(v, torch.Tensor) and v.device.type in _DEVICES and v.numel() > 0:
                     storages.append(v.untyped_storage())
     with _lock:
-        _safe_storages.update(storages)
+        for storage in storages:
+            key = id(storage)
+            ref = _safe_storages.get(key)
+            if ref is None or ref() is not storage:
+                _safe_storages[key] = weakref.ref(storage, functools.partial(_forget, key))
+
+
+def _forget(key: int, ref: "weakref.ref[torch.UntypedStorage]") -> None:
+    """A safe storage was freed: its entry goes (unless its id was taken again already)."""
+    with _lock:
+        if _safe_storages.get(key) is ref:
+            del _safe_storages[key]
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -127,7 +144,8 @@ def deferrable(storage: torch.UntypedStorage, nbytes: int) -> bool:
     if _waiter is None or nbytes < MIN_DEFERRED_BYTES:
         return False
     with _lock:
-        return storage in _safe_storages
+        ref = _safe_storages.get(id(storage))
+    return ref is not None and ref() is storage
 
 
 @dataclass
@@ -166,7 +184,7 @@ def scan(obj: Any) -> Scanned | None:
         return None
     with _lock:
         found = _core.scan(obj, torch.Tensor, torch.nn.Parameter, collections.OrderedDict, _ATOMS,
-                           _safe_storages.data, _MAX_DEPTH, MAX_COPIED_BYTES)
+                           _safe_storages, _MAX_DEPTH, MAX_COPIED_BYTES)
     return None if found is None else Scanned(*found)
 
 
