@@ -124,6 +124,16 @@ def test_profile_save_smoke(new_agents: Callable[[], list[psutil.Process]]) -> N
     _assert_agents_stopped(new_agents)
 
 
+def test_profile_scan_smoke() -> None:
+    result = _run([str(BENCH / "profile_scan.py"), "--workload", "syn-tiny", "--reps", "1"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:]}
+    for name in ("model", "optimizer", "meta"):  # every object scanned, in each setting
+        warm, cold, loop, cpu = (float(x) for x in rows[name][1:5])
+        assert min(warm, cold, loop, cpu) > 0 and "tensors" in " ".join(rows[name][5:])
+    assert "save() blocking" in result.stdout
+
+
 def _emulator_alive(pid: int) -> bool:
     """Whether `pid` is still an emulator process (not one that took the number since)."""
     try:
