@@ -936,8 +936,12 @@ def _stage_scanned(engine: Any, tag: str, version: str, name: str, rank: int,
             raise TornCheckpointError(why)
 
     unmoved()
-    records = flatten(scanned.obj, tag=tag, name=name, rank=rank, version=version,
-                      scanned=scanned)
+    try:
+        records = flatten(scanned.obj, tag=tag, name=name, rank=rank, version=version,
+                          scanned=scanned)
+    except TornCheckpointError:
+        unmoved()  # changed while it was pickled: say which tensor, where it can be told
+        raise
     unmoved()  # nor while it was pickled
     engine.stage(tag, version, name, records.records, persist_now)
     return records
