@@ -9,6 +9,7 @@
 
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <unordered_map>
 #include <unordered_set>
 #include <vector>
@@ -65,21 +66,26 @@ class Scanner {
     nb::object snapshot =
         nb::steal(Check(PyByteArray_FromStringAndSize(nullptr, static_cast<Py_ssize_t>(total))));
     char* base = PyByteArray_AS_STRING(snapshot.ptr());
-    nb::dict at;
+    nb::list at;
     uint64_t offset = 0;
     for (const Copied& c : copies_) {
       if (c.nbytes > 0)
         std::memcpy(base + offset, reinterpret_cast<const void*>(c.address), c.nbytes);
-      Ok(PyDict_SetItem(at.ptr(), c.id.ptr(), nb::make_tuple(offset, c.nbytes).ptr()));
+      Ok(PyList_Append(at.ptr(), nb::make_tuple(c.storage, offset, c.nbytes).ptr()));
       offset += Aligned(c.nbytes);
     }
-    return nb::make_tuple(frozen, views_, storages_, deferred_, snapshot,
+    nb::object which = nb::steal(Check(PyBytes_FromStringAndSize(
+        reinterpret_cast<const char*>(which_.data()),
+        static_cast<Py_ssize_t>(which_.size() * sizeof(uint32_t)))));
+    nb::object safe = nb::steal(Check(PyBytes_FromStringAndSize(
+        safe_flags_.data(), static_cast<Py_ssize_t>(safe_flags_.size()))));
+    return nb::make_tuple(frozen, tensors_out_, versions_, which, storages_out_, safe, snapshot,
                           reinterpret_cast<uintptr_t>(base), at, storage_bytes_, layouts_);
   }
 
  private:
   struct Copied {
-    nb::object id;
+    uint32_t storage;  // its index in storages_out_
     uintptr_t address;
     uint64_t nbytes;
   };
@@ -121,35 +127,28 @@ class Scanner {
     nb::object attrs = Attr(x, n.dict);
     if (!PyDict_Check(attrs.ptr()) || PyDict_GET_SIZE(attrs.ptr()) > 0) throw NotScannable{};
     nb::object s = Call(x, n.untyped_storage);
-    nb::object id = nb::steal(Check(PyLong_FromVoidPtr(s.ptr())));
-    PyObject* views = PyDict_GetItemWithError(views_.ptr(), id.ptr());
-    bool copied;  // this storage's bytes are copied now
-    if (views == nullptr) {
-      if (PyErr_Occurred()) throw nb::python_error();
-      nb::object fresh = nb::steal(Check(PyList_New(0)));
-      Ok(PyDict_SetItem(views_.ptr(), id.ptr(), fresh.ptr()));
-      Ok(PyDict_SetItem(storages_.ptr(), id.ptr(), s.ptr()));
-      views = fresh.ptr();
+    auto [at, fresh] = index_.try_emplace(s.ptr(), static_cast<uint32_t>(index_.size()));
+    const uint32_t k = at->second;
+    if (fresh) {
+      Ok(PyList_Append(storages_out_.ptr(), s.ptr()));  // keeps it alive: its address is its key
       // Safe storages are known by identity: an entry of `safe` under the storage's id
       // whose weak reference is to this very storage.
+      nb::object id = nb::steal(Check(PyLong_FromVoidPtr(s.ptr())));
       const bool safe = Refers(PyDict_GetItemWithError(safe_, id.ptr()), s.ptr());
       const uint64_t nbytes = Unsigned(Call(s.ptr(), n.nbytes));
       storage_bytes_ += nbytes;
-      copied = !safe;
-      if (safe) {
-        Ok(PySet_Add(deferred_.ptr(), id.ptr()));
-      } else {
+      safe_flags_.push_back(safe ? 1 : 0);
+      if (!safe) {
         copy_bytes_ += nbytes;
         if (copy_bytes_ > max_copy_bytes_) throw NotScannable{};
         const uint64_t address = nbytes ? Unsigned(Call(s.ptr(), n.data_ptr)) : 0;
-        copies_.push_back({id, static_cast<uintptr_t>(address), nbytes});
+        copies_.push_back({k, static_cast<uintptr_t>(address), nbytes});
       }
-    } else {
-      const int safe = PySet_Contains(deferred_.ptr(), id.ptr());
-      if (safe < 0) throw nb::python_error();
-      copied = !safe;
     }
-    Ok(PyList_Append(views, nb::make_tuple(nb::handle(x), Attr(x, n.version)).ptr()));
+    const bool copied = safe_flags_[k] == 0;  // this storage's bytes are copied now
+    Ok(PyList_Append(tensors_out_.ptr(), x));
+    Ok(PyList_Append(versions_.ptr(), Attr(x, n.version).ptr()));
+    which_.push_back(k);
     // The bytes of a copied storage are the ones at save(), its tensors' layout must be too.
     if (copied)
       Ok(PyList_Append(layouts_.ptr(), nb::make_tuple(nb::handle(x), Attr(x, n.shape),
@@ -236,10 +235,15 @@ class Scanner {
   const uint64_t max_copy_bytes_;
   uint64_t copy_bytes_ = 0;
   uint64_t storage_bytes_ = 0;  // of every storage met
-  nb::dict views_;     // id(storage) -> [(tensor, _version)]
-  nb::dict storages_;  // id(storage) -> storage
-  nb::set deferred_;   // id(storage) of the safe ones
-  nb::list layouts_;   // [(tensor, shape, stride, offset)] of tensors on copied storages
+  // Flat, so that the caller's thread makes few objects per tensor; nebulite._staging
+  // builds the maps it needs from them on the staging thread.
+  nb::list tensors_out_;          // each tensor met, once
+  nb::list versions_;             // its _version
+  std::vector<uint32_t> which_;   // its storage: an index in storages_out_
+  nb::list storages_out_;         // each storage met, once
+  std::string safe_flags_;        // per storage: 1 if safe (copied later), 0 if copied now
+  nb::list layouts_;  // [(tensor, shape, stride, offset)] of tensors on copied storages
+  std::unordered_map<PyObject*, uint32_t> index_;  // storage -> its index
   std::vector<Copied> copies_;
   std::unordered_set<PyObject*> tensors_;  // met already
   std::unordered_map<PyObject*, PyObject*> copies_of_;
@@ -261,12 +265,11 @@ void RegisterScan(nb::module_& m) {
       "None if `obj` is not made of dicts, OrderedDicts, lists, tuples, immutable values "
       "(`atoms` among them) and plain CPU tensors, or if the storages outside `safe` "
       "({id(storage): weak reference to it}) hold more than max_copy_bytes; else (copy of "
-      "obj's containers, {id(storage): [(tensor, _version)]}, {id(storage): storage}, "
-      "{id(storage) in safe}, "
-      "bytearray with the other storages' bytes, its address, {id(storage): (offset in it, "
-      "nbytes)}, bytes of all the storages, [(tensor, shape, stride, offset)] of the tensors "
-      "on the copied storages): see "
-      "nebulite._staging.scan.");
+      "obj's containers, [each tensor], [its _version], its storage's index as uint32 "
+      "bytes, [each storage], per storage b'\\x01' if safe else b'\\x00', bytearray with the "
+      "copied storages' bytes, its address, [(storage index, offset in it, nbytes)], bytes "
+      "of all the storages, [(tensor, shape, stride, offset)] of the tensors on the copied "
+      "storages): see nebulite._staging.scan.");
 }
 
 }  // namespace nebulite::python

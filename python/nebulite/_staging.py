@@ -42,7 +42,6 @@ import collections
 import functools
 import threading
 import weakref
-from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
@@ -148,19 +147,50 @@ def deferrable(storage: torch.UntypedStorage, nbytes: int) -> bool:
     return ref is not None and ref() is storage
 
 
-@dataclass
 class Scanned:
-    """What ``scan`` recorded of a saved object on the caller's thread."""
+    """What ``scan`` recorded of a saved object on the caller's thread, as flat lists (few
+    objects per tensor there); the maps by id(storage) that the staging thread reads are
+    made from them on first use."""
 
-    obj: Any  # the saved object with its containers copied
-    views: dict[int, list[tuple[torch.Tensor, int]]]  # id(storage) -> [(tensor, _version)]
-    storages: dict[int, torch.UntypedStorage]
-    deferred: set[int]  # id(storage) of the safe storages: copied later
-    snapshot: bytearray  # the bytes of the others, copied at save()
-    address: int
-    copied: dict[int, tuple[int, int]]  # id(storage) -> (offset in snapshot, nbytes)
-    storage_bytes: int
-    layouts: list[tuple[torch.Tensor, Any, tuple[int, ...], int]]  # on copied storages
+    def __init__(self, obj: Any, tensors: list[torch.Tensor], versions: list[int],
+                 which: bytes, storage_list: list[torch.UntypedStorage], safe: bytes,
+                 snapshot: bytearray, address: int, copied: list[tuple[int, int, int]],
+                 storage_bytes: int,
+                 layouts: list[tuple[torch.Tensor, Any, tuple[int, ...], int]]) -> None:
+        self.obj = obj  # the saved object with its containers copied
+        self._tensors = tensors  # each tensor met, with its _version at save()
+        self._versions = versions
+        self._which = memoryview(which).cast("I")  # each tensor's index in storage_list
+        self._storage_list = storage_list
+        self._safe = safe  # per storage: 1 if safe (copied later)
+        self._copied = copied  # (index in storage_list, offset in snapshot, nbytes)
+        self.snapshot = snapshot  # the bytes of the copied storages, copied at save()
+        self.address = address
+        self.storage_bytes = storage_bytes  # of every storage met
+        self.layouts = layouts  # of the tensors on copied storages, at save()
+
+    @functools.cached_property
+    def views(self) -> dict[int, list[tuple[torch.Tensor, int]]]:
+        """id(storage) -> [(tensor, _version at save())]"""
+        out: dict[int, list[tuple[torch.Tensor, int]]] = {}
+        ids = [id(st) for st in self._storage_list]
+        for t, version, k in zip(self._tensors, self._versions, self._which):
+            out.setdefault(ids[k], []).append((t, version))
+        return out
+
+    @functools.cached_property
+    def storages(self) -> dict[int, torch.UntypedStorage]:
+        return {id(st): st for st in self._storage_list}
+
+    @functools.cached_property
+    def deferred(self) -> set[int]:
+        """id(storage) of the safe storages: copied later."""
+        return {id(st) for st, safe in zip(self._storage_list, self._safe) if safe}
+
+    @functools.cached_property
+    def copied(self) -> dict[int, tuple[int, int]]:
+        """id(storage) -> (offset in snapshot, nbytes) of the storages copied at save()."""
+        return {id(self._storage_list[k]): (offset, n) for k, offset, n in self._copied}
 
     def moved(self) -> str | None:
         """Why the object pickled now may not be the one saved (None if it is): a tensor
