@@ -365,8 +365,12 @@ class EngineImpl : public Engine {
     NEBULITE_RETURN_IF_ERROR(ValidateVersionName(version));
     std::vector<HistoryRow> rows;
     Status st = CommitLocked(tag, version, seq, persist, &rows);
-    for (const HistoryRow& r : rows) core_->history.Append(r);  // the store, outside the lock
-    core_->history.Flush();
+    // A version kept in memory only has its rows written now (to the store, outside the
+    // lock); a persisted version's rows are written with its commit in the store, in one write.
+    if (!rows.empty()) {
+      for (const HistoryRow& r : rows) core_->history.Append(r);
+      core_->history.Flush();
+    }
     return st;
   }
 
