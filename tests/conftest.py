@@ -5,9 +5,13 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import subprocess
 import tempfile
+import threading
+import time
 import uuid
 from pathlib import Path
+from typing import Any
 
 import psutil
 import pytest
@@ -46,20 +50,61 @@ def _nebulite_env(monkeypatch):
         nebulite.api._reset_for_tests()
 
 
+_DEEPSPEED_SHM = Path("/dev/shm")
+_DEEPSPEED_SHM_PATTERN = "deepspeed_allreduce_buffer_*"
+
+
+def _deepspeed_buffers() -> set[Path]:
+    return set(_DEEPSPEED_SHM.glob(_DEEPSPEED_SHM_PATTERN)) if _DEEPSPEED_SHM.is_dir() else set()
+
+
 @pytest.fixture(autouse=True, scope="session")
-def _deepspeed_shm_buffers():
-    """DeepSpeed's CPU collectives leave their shared-memory buffers in /dev/shm when a
-    process exits; remove the ones this test session created."""
-    shm = Path("/dev/shm")
-    pattern = "deepspeed_allreduce_buffer_*"
-    before = set(shm.glob(pattern)) if shm.is_dir() else set()
+def _deepspeed_shm_before() -> set[Path]:
+    """The DeepSpeed buffers in /dev/shm before this test session: not ours to remove."""
+    return _deepspeed_buffers()
+
+
+@pytest.fixture(autouse=True)
+def _deepspeed_shm_buffers(_deepspeed_shm_before):
+    """DeepSpeed's CPU collectives write a 66 MiB buffer per rank into /dev/shm and leave it
+    there when the process exits: remove the ones this session created after each test,
+    before they fill a small /dev/shm (a rank that cannot write its buffer hangs)."""
     yield
-    if shm.is_dir():
-        for p in set(shm.glob(pattern)) - before:
-            try:
-                p.unlink()
-            except OSError:
-                pass
+    for p in _deepspeed_buffers() - _deepspeed_shm_before:
+        try:
+            p.unlink()
+        except OSError:
+            pass
+
+
+def wait_ranks(procs: list[subprocess.Popen], timeout: float = HANG_TIMEOUT) -> list[tuple[Any, Any]]:
+    """Waits for the processes of a distributed job and returns what each printed, as
+    communicate() does. Once one exits with an error the others are killed: they would
+    wait for it in their next collective until its own timeout. Past `timeout`, every one
+    still running is killed, so that the caller reports them (exit -9) with their output."""
+    outs: list[tuple[Any, Any]] = [(None, None)] * len(procs)
+
+    def read(i: int) -> None:
+        outs[i] = procs[i].communicate()
+
+    readers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(procs))]
+    for t in readers:
+        t.start()
+    deadline = time.monotonic() + timeout
+    try:
+        while any(t.is_alive() for t in readers):
+            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+            for t in readers:
+                t.join(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+    return outs
 
 
 @pytest.fixture

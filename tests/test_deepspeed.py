@@ -30,7 +30,7 @@ import torch
 import nebulite
 import nebulite.api
 
-from conftest import HANG_TIMEOUT, remove_runtime_dir
+from conftest import HANG_TIMEOUT, remove_runtime_dir, wait_ranks
 
 pytest.importorskip("deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine",
                     reason="needs DeepSpeed with its Nebula engine (0.18.4 to 0.19.6)")
@@ -84,15 +84,11 @@ def _run(*groups: tuple[str, Path, int, dict[str, str]]) -> list[list[dict[str, 
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for r in range(world)
         ])
+    flat = wait_ranks([p for procs in started for p in procs], TIMEOUT)
     outs: list[list[tuple[str, str]]] = []
-    try:
-        for procs in started:
-            outs.append([p.communicate(timeout=TIMEOUT) for p in procs])
-    finally:
-        for p in (p for procs in started for p in procs):
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    for procs in started:
+        outs.append(flat[:len(procs)])
+        flat = flat[len(procs):]
     failed = [
         f"{groups[g][0]} rank {r} exited {p.returncode}\nstdout:\n{out[-2000:]}\nstderr:\n{err[-4000:]}"
         for g, procs in enumerate(started) for r, (p, (out, err)) in enumerate(zip(procs, outs[g]))
@@ -598,13 +594,7 @@ def _run_reload_worker(workdir: Path, world: int, nebula: dict[str, Any], env: d
     procs = [subprocess.Popen([sys.executable, RELOAD_WORKER, str(workdir), str(r), str(world), str(port),
                                json.dumps(nebula)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
-    try:
-        outs = [p.communicate(timeout=TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = wait_ranks(procs, TIMEOUT)
     results = []
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]

@@ -18,7 +18,7 @@ import nebulite as nm
 from nebulite import _device, _serialization
 from nebulite.errors import TornCheckpointError
 
-from conftest import HANG_TIMEOUT
+from conftest import wait_ranks
 
 pytestmark = [
     pytest.mark.gpu,
@@ -267,13 +267,7 @@ def _launch(mode: str, workdir, world: int) -> list[dict]:
     procs = [subprocess.Popen([sys.executable, WORKER, mode, str(workdir), str(r), str(world), str(port)],
                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for r in range(world)]
-    try:
-        logs = [p.communicate(timeout=HANG_TIMEOUT)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    logs = [out for out, _ in wait_ranks(procs)]
     failed = [f"rank {r} exited {p.returncode}:\n{log[-4000:]}" for r, (p, log) in enumerate(zip(procs, logs))
               if p.returncode]
     assert not failed, "\n".join(failed)
