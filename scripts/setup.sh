@@ -30,7 +30,7 @@ PIP=(.venv/bin/python -m pip install -q -c constraints.txt)
 stamp=.venv/.deps-$(sha1sum scripts/setup.sh constraints.txt | sha1sum | cut -c1-12)
 if [ ! -f "$stamp" ]; then
   echo "setup: installing Python packages"
-  "${PIP[@]}" torch==2.13.0 numpy pytest hypothesis psutil transformers \
+  "${PIP[@]}" torch==2.13.0 numpy pytest pytest-timeout hypothesis psutil transformers \
     "lightning==2.6.*" matplotlib "nanobind>=2.0" "scikit-build-core>=0.10" cmake ninja atheris
   # DeepSpeed builds against the torch above; its CUDA ops are not built (they are
   # compiled just in time where a GPU needs them).

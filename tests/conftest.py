@@ -5,6 +5,7 @@ from __future__ import annotations
 import ctypes
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import threading
@@ -27,6 +28,10 @@ ctypes.CDLL(None).prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
 # a test asks for the node agent, the default of init(): tests/test_agent.py and the
 # multi-node tests do. Set for the whole session, so module-scoped fixtures see it too.
 os.environ["NEBULITE_AGENT"] = "0"
+
+# A Python process this run starts prints the stack of each of its threads when it crashes
+# or is aborted (wait_ranks aborts a job that outlived its timeout), so that a hang says where.
+os.environ["PYTHONFAULTHANDLER"] = "1"
 
 # Every process this test run starts inherits this mark (agents too: trainers start them
 # with their own environment), so that the agents it started, and only those, can be found
@@ -81,7 +86,7 @@ def wait_ranks(procs: list[subprocess.Popen], timeout: float = HANG_TIMEOUT) -> 
     """Waits for the processes of a distributed job and returns what each printed, as
     communicate() does. Once one exits with an error the others are killed: they would
     wait for it in their next collective until its own timeout. Past `timeout`, every one
-    still running is killed, so that the caller reports them (exit -9) with their output."""
+    still running is aborted, so that the caller reports them with their output and stacks."""
     outs: list[tuple[Any, Any]] = [(None, None)] * len(procs)
 
     def read(i: int) -> None:
@@ -93,7 +98,14 @@ def wait_ranks(procs: list[subprocess.Popen], timeout: float = HANG_TIMEOUT) -> 
     deadline = time.monotonic() + timeout
     try:
         while any(t.is_alive() for t in readers):
-            if time.monotonic() > deadline or any(p.poll() not in (None, 0) for p in procs):
+            if time.monotonic() > deadline:
+                # Each Python process prints where its threads are (PYTHONFAULTHANDLER).
+                for p in procs:
+                    if p.poll() is None:
+                        p.send_signal(signal.SIGABRT)
+                deadline = float("inf")
+                time.sleep(5)
+            if any(p.poll() not in (None, 0) for p in procs):
                 for p in procs:
                     if p.poll() is None:
                         p.kill()

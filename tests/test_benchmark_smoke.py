@@ -20,6 +20,7 @@ BENCH = ROOT / "benchmarks"
 #: Bounds a hang only: each program takes a minute or two on an idle 2-core machine, and
 #: several times that on a busy one.
 HANG_TIMEOUT = 3600
+pytestmark = pytest.mark.timeout(HANG_TIMEOUT + 300)  # beyond the suite's default
 
 
 def _run(args: list[str]) -> subprocess.CompletedProcess:
