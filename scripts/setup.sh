@@ -41,3 +41,14 @@ if [ ! -f "$stamp" ]; then
 fi
 echo "setup: building nebulite"
 "${PIP[@]}" --no-build-isolation --no-deps .
+
+# DeepSpeed compiles the shared-memory op of its CPU collectives the first time a process
+# starts its distributed backend: compile it here, once, where the tests look for it
+# (tests/conftest.py), rather than in the ranks of the first test that starts DeepSpeed.
+export TORCH_EXTENSIONS_DIR="$PWD/build/torch_extensions"
+if [ ! -f "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/deepspeed_shm_comm.so" ]; then
+  echo "setup: building DeepSpeed's CPU collectives op"
+  DS_ACCELERATOR=cpu .venv/bin/python -c \
+    "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" \
+    >/dev/null
+fi

@@ -33,6 +33,11 @@ os.environ["NEBULITE_AGENT"] = "0"
 # or is aborted (wait_ranks aborts a job that outlived its timeout), so that a hang says where.
 os.environ["PYTHONFAULTHANDLER"] = "1"
 
+# The ops DeepSpeed compiles just in time live in the checkout, where scripts/setup.sh built
+# the one its CPU collectives need.
+os.environ.setdefault("TORCH_EXTENSIONS_DIR",
+                      str(Path(__file__).resolve().parent.parent / "build" / "torch_extensions"))
+
 # Every process this test run starts inherits this mark (agents too: trainers start them
 # with their own environment), so that the agents it started, and only those, can be found
 # at the end, however many other runs share the machine.
