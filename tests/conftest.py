@@ -47,6 +47,10 @@ os.environ[SUITE_MARK] = f"{os.getpid()}-{uuid.uuid4().hex}"
 #: The tests' timeouts bound a hang, nothing else: what they wait for comes in seconds or
 #: less on an idle machine, and many times later on a busy one. A test asserts behaviour.
 HANG_TIMEOUT = 600.0
+#: The same for a distributed job of a few ranks on the CPU (DeepSpeed, Lightning): seconds
+#: to a minute on an idle machine; a job that hangs is aborted with its stacks (wait_ranks)
+#: soon enough for the rest of the suite to run.
+JOB_TIMEOUT = 300.0
 
 
 @pytest.fixture(autouse=True)

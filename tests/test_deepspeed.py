@@ -30,7 +30,7 @@ import torch
 import nebulite
 import nebulite.api
 
-from conftest import HANG_TIMEOUT, remove_runtime_dir, wait_ranks
+from conftest import HANG_TIMEOUT, JOB_TIMEOUT, remove_runtime_dir, wait_ranks
 
 pytest.importorskip("deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine",
                     reason="needs DeepSpeed with its Nebula engine (0.18.4 to 0.19.6)")
@@ -84,7 +84,7 @@ def _run(*groups: tuple[str, Path, int, dict[str, str]]) -> list[list[dict[str, 
                              env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for r in range(world)
         ])
-    flat = wait_ranks([p for procs in started for p in procs], TIMEOUT)
+    flat = wait_ranks([p for procs in started for p in procs], JOB_TIMEOUT)
     outs: list[list[tuple[str, str]]] = []
     for procs in started:
         outs.append(flat[:len(procs)])
@@ -594,7 +594,7 @@ def _run_reload_worker(workdir: Path, world: int, nebula: dict[str, Any], env: d
     procs = [subprocess.Popen([sys.executable, RELOAD_WORKER, str(workdir), str(r), str(world), str(port),
                                json.dumps(nebula)], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
              for r in range(world)]
-    outs = wait_ranks(procs, TIMEOUT)
+    outs = wait_ranks(procs, JOB_TIMEOUT)
     results = []
     for r, (p, (out, err)) in enumerate(zip(procs, outs)):
         lines = [line for line in out.splitlines() if line.startswith("RESULT ")]

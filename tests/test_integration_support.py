@@ -12,7 +12,7 @@ import sys
 import textwrap
 
 import pytest
-from conftest import wait_ranks
+from conftest import JOB_TIMEOUT, wait_ranks
 import torch
 
 import nebulite
@@ -52,7 +52,7 @@ def test_a_single_rank_session_never_waits_for_the_other_ranks(store):
     env = dict(os.environ, OMP_NUM_THREADS="1")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(r)], env=env, stdout=subprocess.PIPE,
                               stderr=subprocess.PIPE, text=True) for r in range(2)]
-    outs = wait_ranks(procs)
+    outs = wait_ranks(procs, JOB_TIMEOUT)
     failed = [f"rank {r}:\n{err[-3000:]}" for r, (p, (_, err)) in enumerate(zip(procs, outs)) if p.returncode]
     assert not failed, "\n".join(failed)
     assert "TAG step2" in outs[0][0]

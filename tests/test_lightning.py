@@ -35,7 +35,7 @@ from nebulite.integrations.lightning import NebulaCallback, NebulaCheckpointIO
 
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "lightning_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
-from conftest import HANG_TIMEOUT, wait_ranks  # noqa: E402
+from conftest import HANG_TIMEOUT, JOB_TIMEOUT, wait_ranks  # noqa: E402
 from lightning_worker import Probe, TinyModule, loader, weights  # noqa: E402
 
 TIMEOUT = HANG_TIMEOUT  # bounds a hang; a busy machine may take long
@@ -585,7 +585,7 @@ def _launch(mode: str, tmp_path: Path, store: str, steps: int, ckpt_path: str | 
     for rank in range(world):
         rank_env = dict(env, LOCAL_RANK=str(rank), RANK=str(rank)) if world > 1 else env
         procs.append(subprocess.Popen(args, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [out for out, _ in wait_ranks(procs, TIMEOUT)]
+    logs = [out for out, _ in wait_ranks(procs, JOB_TIMEOUT)]
     failed = [f"rank {r} exited {p.returncode}:\n{log[-4000:]}" for r, (p, log) in enumerate(zip(procs, logs))
               if p.returncode]
     assert not failed, "\n".join(failed)
