@@ -38,6 +38,17 @@ os.environ["PYTHONFAULTHANDLER"] = "1"
 os.environ.setdefault("TORCH_EXTENSIONS_DIR",
                       str(Path(__file__).resolve().parent.parent / "build" / "torch_extensions"))
 
+# Caches that torch makes in the system's temporary directory when some packages are
+# imported (DeepSpeed: torchinductor_$USER): in one of this run's own, removed at its end.
+_RUN_TMP = tempfile.mkdtemp(prefix="nebulite-tests-")
+os.environ["TORCHINDUCTOR_CACHE_DIR"] = os.path.join(_RUN_TMP, "torchinductor")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _run_tmp():
+    yield
+    shutil.rmtree(_RUN_TMP, ignore_errors=True)
+
 # Every process this test run starts inherits this mark (agents too: trainers start them
 # with their own environment), so that the agents it started, and only those, can be found
 # at the end, however many other runs share the machine.

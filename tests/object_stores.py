@@ -118,7 +118,8 @@ class Emulator:
         raise NotImplementedError
 
     def _process_env(self) -> dict[str, str]:
-        return _clean_env()
+        # Its temporary files (Azurite's telemetry cache, say) go where stop() removes them.
+        return dict(_clean_env(), TMPDIR=str(self.tmp))
 
     def _ready_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/"
@@ -246,7 +247,7 @@ class MotoS3(Emulator):
         # --in-memory, Azurite without a data folder): moto's default spills every object
         # and part over 5 MiB to a temporary file, whose write-back to disk then lands on
         # whatever runs next (a benchmark's next candidate).
-        return dict(_clean_env(), MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(1 << 30))
+        return dict(super()._process_env(), MOTO_S3_DEFAULT_KEY_BUFFER_SIZE=str(1 << 30))
 
     def _ready_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/moto-api/"

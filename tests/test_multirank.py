@@ -210,7 +210,7 @@ def test_two_nodes_launched_by_torchrun(tmp_path):
         for node in (0, 1):
             env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime,
                              NEBULITE_AGENT_IDLE_EXIT="1", NEBULITE_NODE_ID=f"node{node}",
-                             TEST_PG_PORT=str(pg))
+                             TEST_PG_PORT=str(pg), TMPDIR=str(tmp_path))  # torchrun's logs
             procs.append(subprocess.Popen(
                 [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
                  "--master-addr", "127.0.0.1", "--master-port", str(master), entry, store, str(out)],
