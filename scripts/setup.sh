@@ -48,7 +48,8 @@ echo "setup: building nebulite"
 export TORCH_EXTENSIONS_DIR="$PWD/build/torch_extensions"
 if [ ! -f "$TORCH_EXTENSIONS_DIR/deepspeed_shm_comm/deepspeed_shm_comm.so" ]; then
   echo "setup: building DeepSpeed's CPU collectives op"
-  DS_ACCELERATOR=cpu .venv/bin/python -c \
+  # (importing DeepSpeed makes torch's inductor cache: in build/ too, not in /tmp)
+  DS_ACCELERATOR=cpu TORCHINDUCTOR_CACHE_DIR="$PWD/build/torchinductor" .venv/bin/python -c \
     "from deepspeed.accelerator import get_accelerator as a; a().create_op_builder('ShareMemCommBuilder').load()" \
     >/dev/null
 fi

@@ -13,9 +13,11 @@ import inspect
 import json
 import os
 import pickle
+import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import typing
 import warnings
@@ -581,11 +583,18 @@ def _launch(mode: str, tmp_path: Path, store: str, steps: int, ckpt_path: str | 
                OMP_NUM_THREADS="1", **env_extra)
     args = [sys.executable, WORKER, mode, out, store, str(tmp_path / "ckpts"), str(steps)]
     args += [ckpt_path] if ckpt_path else []
+    # Their temporary files (ddp_spawn's workers leave a folder) go where this removes them;
+    # short, as the Unix sockets of multiprocessing's helpers may be made there.
+    env["TMPDIR"] = tempfile.mkdtemp(prefix="nbtmp-")
     procs = []
-    for rank in range(world):
-        rank_env = dict(env, LOCAL_RANK=str(rank), RANK=str(rank)) if world > 1 else env
-        procs.append(subprocess.Popen(args, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-    logs = [out for out, _ in wait_ranks(procs, JOB_TIMEOUT)]
+    try:
+        for rank in range(world):
+            rank_env = dict(env, LOCAL_RANK=str(rank), RANK=str(rank)) if world > 1 else env
+            procs.append(subprocess.Popen(args, env=rank_env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                          text=True))
+        logs = [out for out, _ in wait_ranks(procs, JOB_TIMEOUT)]
+    finally:
+        shutil.rmtree(env["TMPDIR"], ignore_errors=True)
     failed = [f"rank {r} exited {p.returncode}:\n{log[-4000:]}" for r, (p, log) in enumerate(zip(procs, logs))
               if p.returncode]
     assert not failed, "\n".join(failed)
