@@ -93,7 +93,7 @@ def _deepspeed_shm_before() -> set[Path]:
 def _deepspeed_shm_buffers(_deepspeed_shm_before):
     """DeepSpeed's CPU collectives write a 66 MiB buffer per rank into /dev/shm and leave it
     there when the process exits: remove the ones this session created after each test,
-    before they fill a small /dev/shm (a rank that cannot write its buffer hangs)."""
+    rather than hold hundreds of them in memory until the session ends."""
     yield
     for p in _deepspeed_buffers() - _deepspeed_shm_before:
         try:
