@@ -25,7 +25,7 @@ from nebulite import _core
 WORKER = os.path.join(os.path.dirname(__file__), "workers", "dist_worker.py")
 sys.path.insert(0, os.path.dirname(WORKER))
 import dist_worker  # noqa: E402  (expected values shared with the workers)
-from conftest import HANG_TIMEOUT, remove_runtime_dir  # noqa: E402
+from conftest import HANG_TIMEOUT, remove_runtime_dir, wait_ranks  # noqa: E402
 
 
 def _free_port() -> int:
@@ -56,15 +56,7 @@ def _run_ranks(mode: str, store: str, world: int, *args: object, env: dict[str, 
         )
         for r in range(world)
     ]
-    outs = []
-    try:
-        for p in procs:
-            outs.append(p.communicate(timeout=HANG_TIMEOUT))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    outs = wait_ranks(procs)
     failed = [
         f"rank {r} exited {p.returncode}\nstdout:\n{out}\nstderr:\n{err[-3000:]}"
         for r, (p, (out, err)) in enumerate(zip(procs, outs)) if p.returncode != 0
@@ -215,15 +207,15 @@ def test_two_nodes_launched_by_torchrun(tmp_path):
                 [torchrun, "--nnodes", "2", "--node-rank", str(node), "--nproc-per-node", "2",
                  "--master-addr", "127.0.0.1", "--master-port", str(master), entry, store, str(out)],
                 env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        for p in procs:
-            log, _ = p.communicate(timeout=HANG_TIMEOUT)
-            assert p.returncode == 0, log[-3000:]
+        logs = [log for log, _ in wait_ranks(procs)]
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
                 p.communicate()
         remove_runtime_dir(runtime)
+    for p, log in zip(procs, logs):
+        assert p.returncode == 0, log[-3000:]
     _assert_two_nodes([json.loads((out / f"rank{r}.json").read_text()) for r in range(4)], store)
 
 
