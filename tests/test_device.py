@@ -11,6 +11,7 @@ from __future__ import annotations
 import pickle
 import struct
 import threading
+import time
 from typing import Any
 
 import pytest
@@ -314,6 +315,36 @@ def test_async_staging_orders_the_step_after_the_copies_and_commits_once_they_la
     for k, t in expected.items():
         assert torch.equal(model_got[k], t), k
     assert torch.equal(got.load("optimizer")["state"][0]["exp_avg"], expected_opt)
+
+
+def test_a_save_waiting_for_memory_that_copies_still_landing_hold_goes_on(
+        store, mode, fake_device, monkeypatch):
+    # Each checkpoint takes most of the memory tier, so the next one's reservation needs
+    # the memory of the one before, whose copies land (and whose objects are sealed) only
+    # after that reservation was asked for: with the node agent, the seals go over the
+    # connection the reservation holds.
+    monkeypatch.setenv("NEBULA_MEMORY_BUFFER_SIZE", str(16 << 20))
+    original = FakeDevice.synchronize
+
+    def late(self: FakeDevice, event: FakeEvent) -> None:
+        time.sleep(0.2)
+        original(self, event)
+
+    monkeypatch.setattr(FakeDevice, "synchronize", late)
+    nm.init(persistent_storage_path=store, async_staging=True, num_of_version_in_retention=0)
+    model, opt = _model()
+    _step(model, opt)
+    expected = {}
+    for k in range(3):
+        expected[k] = {n: t.clone() for n, t in model.state_dict().items()}
+        ck = nm.Checkpoint(f"s{k}", 2)
+        ck.save("model", model.state_dict())
+        ck.save("optimizer", opt.state_dict())
+        _step(model, opt)
+    for k, state in expected.items():
+        got = nm.get_checkpoint(tag=f"s{k}").load("model")
+        for n, t in state.items():
+            assert torch.equal(got[n], t), (k, n)
 
 
 def test_async_staging_fails_a_checkpoint_changed_before_the_barrier(store, mode, fake_device):

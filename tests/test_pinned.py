@@ -10,14 +10,6 @@ import nebulite as nm
 from nebulite import _pinned
 
 
-def test_pieces_cover_the_range_in_order_without_overlap():
-    assert _pinned.pieces(4096, 10, piece=4) == [(4096, 4), (4100, 4), (4104, 2)]
-    assert _pinned.pieces(0, 8, piece=4) == [(0, 4), (4, 4)]
-    assert _pinned.pieces(0, 0, piece=4) == []
-    with pytest.raises(ValueError):
-        _pinned.pieces(0, 8, piece=0)
-
-
 class _Driver:
     def __init__(self, fail_at: int | None = None) -> None:
         self.registered: list[tuple[int, int]] = []
@@ -36,24 +28,26 @@ class _Driver:
         return 0
 
 
-def test_a_range_is_registered_once_in_pieces_and_released(monkeypatch):
-    monkeypatch.setattr(_pinned, "PIECE_BYTES", 1 << 20)
+def test_a_range_is_registered_once_as_one_range_and_released():
+    # One registration: CUDA refuses a copy whose host bytes span two of them.
     d = _Driver()
     r = _pinned.PinnedRange(1 << 30, (5 << 20) + 7, d.register, d.unregister)
     assert r.ensure() and r.pinned
     assert r.ensure()  # a second call registers nothing more
-    assert d.calls == 6 and sum(n for _, n in d.registered) == (5 << 20) + 7
+    assert d.calls == 1 and d.registered == [(1 << 30, (5 << 20) + 7)]
     r.release()
     assert d.registered == [] and not r.pinned
+    r.release()  # nothing more to release
 
 
-def test_a_refused_piece_leaves_the_whole_range_pageable(monkeypatch, caplog):
-    monkeypatch.setattr(_pinned, "PIECE_BYTES", 1 << 20)
-    d = _Driver(fail_at=3)
+def test_a_refused_registration_leaves_the_range_pageable(caplog):
+    d = _Driver(fail_at=1)
     r = _pinned.PinnedRange(0, 4 << 20, d.register, d.unregister)
     assert not r.ensure() and not r.pinned
-    assert d.registered == []  # what was registered before the refusal is unregistered
+    assert not r.ensure() and d.calls == 1  # not tried again
+    assert d.registered == []
     assert "cudaHostRegister" in caplog.text
+    r.release()  # nothing to release
 
 
 @pytest.mark.parametrize("agent", [False, True])

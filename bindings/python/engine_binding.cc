@@ -226,19 +226,21 @@ void RegisterEngine(nb::module_& m) {
       .def(
           "reserve",
           [](Engine& e, const std::string& tag, const std::string& version, const std::string& name,
-             const std::vector<std::tuple<std::string, uint64_t>>& records) {
+             const std::vector<std::tuple<std::string, uint64_t>>& records, bool wait) {
             std::vector<format::RecordSpec> specs;
             for (const auto& [n, size] : records) specs.push_back({n, size});
             Result<Reservation> r = Status::Internal("unset");
             {
               nb::gil_scoped_release release;
-              r = e.Reserve(tag, version, name, specs);
+              r = e.Reserve(tag, version, name, specs, wait);
             }
             Reservation res = ValueOrThrow(std::move(r));
             std::vector<std::tuple<std::string, uint64_t, uint64_t>> out;
             for (const auto& ref : res.records) out.emplace_back(ref.name, ref.offset, ref.size);
             return std::make_tuple(res.arena_offset, res.bytes, out);
-          })
+          },
+          nb::arg("tag"), nb::arg("version"), nb::arg("name"), nb::arg("records"),
+          nb::arg("wait") = true)
       .def("seal",
            [](Engine& e, const std::string& tag, const std::string& version,
               const std::string& name, bool persist_now, const std::vector<uint32_t>& crcs) {

@@ -281,18 +281,21 @@ class Sealer:
 
 def stage(engine: Any, tag: str, version: str, name: str, records: Any, persist_now: bool,
           sealer: Sealer, copier: CopyBackend | None = None,
-          crc: Callable[[int, int], int] | None = None) -> "Sealer.Job":
+          crc: Callable[[int, int], int] | None = None,
+          wait_for_memory: bool = True) -> "Sealer.Job":
     """Stages a flattened object (a nebulite._serialization.RecordCollector) that holds
     device storages: reserves its image in the arena, copies the host records there at once
     (computing their CRC-32s), issues the device copies, and hands the sealing (the device
     records' CRC-32s, once landed, then ``engine.seal``) to `sealer`. Returns the job; the
-    caller waits for it (blocking staging) or leaves it to the optimizer barrier."""
+    caller waits for it (blocking staging) or leaves it to the optimizer barrier. Without
+    `wait_for_memory`, memory that is not free now is MemoryBudgetError at once (see
+    ``Engine.reserve``)."""
     from . import _core
 
     threads = max(1, min(4, os.cpu_count() or 1))  # beside training: a few cores
     crc = crc if crc is not None else (lambda address, n: int(_core.crc32(address, n, threads)))
-    arena_offset, nbytes, placed = engine.reserve(tag, version, name,
-                                             [(n, size) for n, _, size, _ in records.records])
+    arena_offset, nbytes, placed = engine.reserve(
+        tag, version, name, [(n, size) for n, _, size, _ in records.records], wait=wait_for_memory)
     image = int(engine.arena_address) + int(arena_offset)
     view = host_view(image, int(nbytes))  # the object's image in the arena
     crcs = [0] * len(records.records)

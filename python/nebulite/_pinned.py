@@ -4,8 +4,9 @@ Copies between a GPU and pageable host memory go through a driver bounce buffer,
 chunk at a time; from and into page-locked memory they run at the link's speed and may be
 asynchronous. The arena (the embedded engine's, or the node agent's shared memory as this
 process maps it) is registered with ``cudaHostRegister`` (through ``torch.cuda.cudart()``)
-once per process that maps it, in pieces of `PIECE_BYTES` (a single registration of a
-very large range can fail where pieces succeed), and unregistered before it is unmapped.
+once per process that maps it, as one range, and unregistered before it is unmapped. One
+range, not pieces: a copy whose host bytes span two registrations is refused by CUDA
+(``cudaErrorInvalidValue``), and a tensor's place in the arena may span any boundary.
 
 Registering locks the arena's pages in memory (they become resident), so it is done only
 in a process that uses CUDA: when the session opens with CUDA initialised, or at the first
@@ -21,18 +22,7 @@ from typing import Callable
 
 log = logging.getLogger("nebulite")
 
-#: The size of each registered piece.
-PIECE_BYTES = 1 << 30
 _PORTABLE = 1  # cudaHostRegisterPortable: pinned for every CUDA context of the process
-
-
-def pieces(address: int, nbytes: int, piece: int | None = None) -> list[tuple[int, int]]:
-    """[(address, size)] covering [address, address + nbytes) in order, each at most `piece`
-    (default `PIECE_BYTES`)."""
-    piece = PIECE_BYTES if piece is None else piece
-    if piece <= 0:
-        raise ValueError("piece must be positive")
-    return [(address + off, min(piece, nbytes - off)) for off in range(0, nbytes, piece)]
 
 
 class PinnedRange:
@@ -50,12 +40,12 @@ class PinnedRange:
         self._register = register
         self._unregister = unregister
         self._lock = threading.Lock()
-        self._done: list[tuple[int, int]] = []
+        self._registered = False
         self._tried = False
 
     @property
     def pinned(self) -> bool:
-        return bool(self._done)
+        return self._registered
 
     def _driver(self) -> tuple[Callable[[int, int], int], Callable[[int], int]] | None:
         if self._register is not None and self._unregister is not None:
@@ -77,31 +67,25 @@ class PinnedRange:
             driver = self._driver()
             if driver is None or self.nbytes == 0:
                 return False
-            register, unregister = driver
-            for address, size in pieces(self.address, self.nbytes):
-                err = register(address, size)
-                if err != 0:
-                    log.warning("nebulite: cudaHostRegister of %d bytes of the memory tier failed "
-                                "(cudaError %d); it stays pageable", size, err)
-                    for a, _ in reversed(self._done):
-                        unregister(a)
-                    self._done.clear()
-                    return False
-                self._done.append((address, size))
+            err = driver[0](self.address, self.nbytes)
+            if err != 0:
+                log.warning("nebulite: cudaHostRegister of the memory tier (%d bytes) failed "
+                            "(cudaError %d); it stays pageable", self.nbytes, err)
+                return False
+            self._registered = True
             return True
 
     def release(self) -> None:
-        """Unregisters what was registered (before the memory is unmapped)."""
+        """Unregisters the range if it was registered (before the memory is unmapped)."""
         with self._lock:
-            if not self._done:
+            if not self._registered:
                 return
             driver = self._driver()
             assert driver is not None
-            for address, _ in reversed(self._done):
-                err = driver[1](address)
-                if err != 0:
-                    log.warning("nebulite: cudaHostUnregister failed (cudaError %d)", err)
-            self._done.clear()
+            err = driver[1](self.address)
+            if err != 0:
+                log.warning("nebulite: cudaHostUnregister failed (cudaError %d)", err)
+            self._registered = False
 
 
 def cuda_in_use() -> bool:

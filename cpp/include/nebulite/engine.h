@@ -148,10 +148,14 @@ class Engine {
   // with `persist_now`). Discard() drops a reservation
   // that will never be sealed (its writer died). A version cannot be committed while one
   // of its objects is reserved but not sealed. Reserve() never streams: an image larger
-  // than the free memory (after waiting) is ResourceExhausted.
+  // than the free memory (after waiting) is ResourceExhausted. Without `wait_for_memory`
+  // it does not wait: memory that only persisting, unpinning or sealing would give back
+  // is ResourceExhausted at once (a caller whose own reservations await their seals, on
+  // a connection this call holds, would otherwise wait for itself).
   virtual Result<Reservation> Reserve(const std::string& tag, const std::string& version,
                                       const std::string& name,
-                                      const std::vector<format::RecordSpec>& records) = 0;
+                                      const std::vector<format::RecordSpec>& records,
+                                      bool wait_for_memory = true) = 0;
   virtual Status Seal(const std::string& tag, const std::string& version, const std::string& name,
                       bool persist_now, const std::vector<uint32_t>& crcs) = 0;
   virtual Status Discard(const std::string& tag, const std::string& version,

@@ -253,11 +253,12 @@ class EngineImpl : public Engine {
 
   Result<Reservation> Reserve(const std::string& tag, const std::string& version,
                               const std::string& name,
-                              const std::vector<format::RecordSpec>& specs) override {
+                              const std::vector<format::RecordSpec>& specs,
+                              bool wait_for_memory) override {
     auto t0 = Clock::now();
     std::shared_ptr<VersionState> v;
     NEBULITE_ASSIGN_OR_RETURN(auto obj, PlanObject(tag, version, name, specs, &v));
-    auto block = ReserveForImage(obj->layout.file_size());
+    auto block = ReserveForImage(obj->layout.file_size(), wait_for_memory);
     if (!block.ok()) {
       DropIfEmpty(v);
       return block.status();

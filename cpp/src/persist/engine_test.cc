@@ -6,6 +6,7 @@
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
+#include <thread>
 #include <vector>
 
 #include "nebulite/commit.h"
@@ -424,6 +425,28 @@ TEST(EngineReserveTest, DiscardAndAbandonGiveTheMemoryBack) {
   engine.Abandon("t", "v");  // "b" was never sealed: its writer died
   EXPECT_EQ(engine.memory_used(), 0u);
   EXPECT_TRUE(engine.Versions().empty());
+}
+
+// A reservation that may not wait fails at once where the memory would come back only
+// when an unsealed reservation is sealed; one that may wait gets it once that happens.
+TEST(EngineReserveTest, AReservationThatMayNotWaitFailsAtOnceWhereMemoryIsOnItsWayBack) {
+  auto e = Engine::Open(Options("", 8 << 20));
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  auto obj = MakeObject({100, 5 << 20}, 1);
+  auto first = engine.Reserve("t", "v1", "a", Specs(obj));
+  ASSERT_TRUE(first.ok());
+  auto at_once = engine.Reserve("t", "v2", "a", Specs(obj), /*wait_for_memory=*/false);
+  EXPECT_EQ(at_once.status().code(), StatusCode::kResourceExhausted);
+  std::thread sealer([&] {
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    auto crcs = Fill(engine, *first, obj);
+    ASSERT_TRUE(engine.Seal("t", "v1", "a", false, crcs).ok());
+    engine.Abandon("t", "v1");
+  });
+  auto waited = engine.Reserve("t", "v2", "a", Specs(obj));
+  sealer.join();
+  EXPECT_TRUE(waited.ok()) << waited.status().ToString();
 }
 
 TEST(EngineReserveTest, EnginesOfOneNodeShareOneBudget) {

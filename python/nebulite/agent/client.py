@@ -299,7 +299,7 @@ class AgentEngine:
         return self._lost is not None
 
     def _call(self, op: str, **fields: Any) -> dict[str, Any]:
-        wait = _WAITS.get(op, 0.0)
+        wait = _WAITS.get(op, 0.0) if fields.get("wait", True) else 0.0
         if op == "flush":
             wait = float(fields.get("timeout", 0.0))
         try:
@@ -411,10 +411,11 @@ class AgentEngine:
         """Where this process maps the agent's memory tier."""
         return self._base
 
-    def reserve(self, tag: str, version: str, name: str,
-                records: list[tuple[str, int]]) -> tuple[int, int, list[tuple[str, int, int]]]:
+    def reserve(self, tag: str, version: str, name: str, records: list[tuple[str, int]],
+                wait: bool = True) -> tuple[int, int, list[tuple[str, int, int]]]:
         """As `_core.Engine.reserve`: (arena offset, bytes, [(record, offset, size)])."""
-        r = self._call("reserve", tag=tag, version=version, name=name, records=records)
+        r = self._call("reserve", tag=tag, version=version, name=name, records=records,
+                       wait=wait)
         return int(r["offset"]), int(r["bytes"]), [(str(n), int(o), int(z)) for n, o, z in r["records"]]
 
     def seal(self, tag: str, version: str, name: str, persist_now: bool, crcs: list[int]) -> None:

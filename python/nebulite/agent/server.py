@@ -433,7 +433,7 @@ class Agent:
             if op == "reserve":
                 key = (_str(r, "tag"), _str(r, "version"), _str(r, "name"))
                 specs = _records(r)
-                offset, nbytes, records = e.reserve(*key, specs)
+                offset, nbytes, records = e.reserve(*key, specs, wait=bool(r.get("wait", True)))
                 c.reserved.add(key)
                 c.staged.add(key[:2])
                 return {"ok": True, "offset": offset, "bytes": nbytes, "records": records}, []
