@@ -73,8 +73,10 @@ def nebulite_saves(state: dict[str, torch.Tensor], d: str, async_staging: bool,
     import nebulite as nm
 
     nbytes = sum(v.nbytes for v in state.values())
+    # Room for four versions: the first is persisted (its memory held until written), and
+    # a save that found no room would wait for that write, which is no device copy.
     nm.init(os.path.join(d, f"nebulite-{int(async_staging)}"), persistent_time_interval=3600,
-            memory_buffer_size=int(nbytes * 2.2), agent=False, async_staging=async_staging)
+            memory_buffer_size=int(nbytes * 4.2), agent=False, async_staging=async_staging)
     try:
         nm.api._session.engine.wait_prefaulted()  # type: ignore[union-attr]
         blocking, staged = [], []
@@ -173,8 +175,12 @@ def main() -> None:
         out["pinned_copy"], out["pinned_h2d"] = pinned_copy_bandwidth(state)
         out["blocking"] = nebulite_saves(state, base, False, args.reps)
         out["async"] = nebulite_saves(state, base, True, args.reps)
-        dcp = dcp_async.async_save_times(state, base, args.reps)
-        out["dcp"] = {k: statistics.median(r[k] for r in dcp) for k in ("blocking_s", "staged_s")}
+        try:
+            dcp = dcp_async.async_save_times(state, base, args.reps)
+            out["dcp"] = {k: statistics.median(r[k] for r in dcp) for k in ("blocking_s", "staged_s")}
+        except Exception as e:  # this torch's DCP failed: the other figures still stand
+            print(f"DCP async_save failed on torch {torch.__version__}: {type(e).__name__}: {e}")
+            out["dcp"] = {"blocking_s": float("nan"), "staged_s": float("nan")}
         out["torch.save"] = torch_save(state, base)
         del state
         torch.cuda.empty_cache()
