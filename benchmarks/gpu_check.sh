@@ -31,6 +31,8 @@ fi
 if ! "$PY" -c 'import nebulite._core' 2>/dev/null; then
   "$PY" -m venv --system-site-packages .venv-gpu || exit 1
   PY=.venv-gpu/bin/python
+  # The build's own needs, where an index is reachable (the machine's, else).
+  "$PY" -m pip install -q --retries 0 --timeout 10 scikit-build-core nanobind 2>/dev/null || true
   "$PY" -m pip install -q --no-build-isolation --no-deps . || exit 1
 fi
 "$PY" -c 'import torch; print("torch", torch.__version__, "CUDA", torch.version.cuda, torch.cuda.get_device_name())'
