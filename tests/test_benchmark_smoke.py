@@ -208,3 +208,17 @@ def test_bench_async_staging_smoke(tmp_path: Path, new_agents: Callable[[], list
         assert figures["blocking_ratio"] > 0
     assert not any(work.iterdir())  # the benchmark cleans up after itself
     _assert_agents_stopped(new_agents)
+
+
+@pytest.mark.parametrize("program", ["bench_gpu.py", "profile_gpu_staging.py"])
+def test_gpu_programs_say_there_is_nothing_to_measure_without_cuda(program: str) -> None:
+    # On a machine with CUDA they measure for minutes: benchmarks/gpu_check.sh runs them.
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here: benchmarks/gpu_check.sh measures with it")
+    result = _run([str(BENCH / program), "--help"])
+    assert result.returncode == 0 and "usage:" in result.stdout, result.stderr[-3000:]
+    result = _run([str(BENCH / program)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "no CUDA device: nothing to measure" in result.stdout
