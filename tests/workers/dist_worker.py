@@ -79,7 +79,7 @@ def run_dist(store: str, rank: int, world: int, port: int, ntags: int, retention
     if per_node:  # simulate several nodes on this machine: one agent per node identity
         os.environ["NEBULITE_NODE_ID"] = f"node{rank // per_node}"
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=__import__("datetime").timedelta(seconds=60))
+                            world_size=world, timeout=__import__("datetime").timedelta(seconds=HANG_TIMEOUT))
     nm.init(persistent_storage_path=store, persistent_time_interval=0,
             num_of_version_in_retention=retention, commit_timeout=60)
     info = nm.session_info()
@@ -110,7 +110,7 @@ def run_dist(store: str, rank: int, world: int, port: int, ntags: int, retention
         if latest.tag == tag:
             assert same(latest.load(f"shard_rank{rank}"), shard(rank, step))
         # ... and after it was persisted and committed in the store.
-        nm.flush_persistence(timeout=60)
+        nm.flush_persistence(timeout=HANG_TIMEOUT)
         latest = nm.get_latest_checkpoint(persist_path=store)
         assert latest.tag == tag, (latest.tag, tag)
         assert same(latest.load("model"), model(step)), f"rank {rank}: model of {tag} (store)"
@@ -206,7 +206,7 @@ def _init_dist(rank: int, world: int, port: int) -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=datetime.timedelta(seconds=60))
+                            world_size=world, timeout=datetime.timedelta(seconds=HANG_TIMEOUT))
 
 
 def run_misstep(store: str, rank: int, world: int, port: int) -> dict:
@@ -226,7 +226,7 @@ def run_misstep(store: str, rank: int, world: int, port: int) -> dict:
         ck = nm.Checkpoint(tag, -2)
         ck.save(f"shard_rank{rank}", shard(rank, step))
         assert ck.commit() is True
-        nm.flush_persistence(timeout=60)
+        nm.flush_persistence(timeout=HANG_TIMEOUT)
         latest = nm.get_latest_checkpoint(persist_path=store)
         assert latest.tag == tag, (rank, latest.tag, tag)
         for r in range(world):
@@ -252,7 +252,7 @@ def run_rank_error(store: str, rank: int, world: int, port: int) -> dict:
         open(os.path.join(store, "t1", version, "rank1"), "w").close()
     assert ck.commit() is True
     if rank == 1:  # wait until the failure is known here (and only here)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + HANG_TIMEOUT
         while time.monotonic() < deadline and not any(
                 v["failed"] for v in nm.api._session.engine.versions()):
             time.sleep(0.05)
