@@ -78,8 +78,7 @@ def run_dist(store: str, rank: int, world: int, port: int, ntags: int, retention
     per_node = int(os.environ.get("NEBULITE_TEST_RANKS_PER_NODE", "0"))
     if per_node:  # simulate several nodes on this machine: one agent per node identity
         os.environ["NEBULITE_NODE_ID"] = f"node{rank // per_node}"
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=world, timeout=__import__("datetime").timedelta(seconds=HANG_TIMEOUT))
+    _init_dist(rank, world, port)
     nm.init(persistent_storage_path=store, persistent_time_interval=0,
             num_of_version_in_retention=retention, commit_timeout=60)
     info = nm.session_info()
