@@ -30,6 +30,8 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
+from .errors import MemoryBudgetError
+
 #: The largest single copy issued on a copy stream.
 CHUNK_BYTES = 64 << 20
 #: Bytes issued on a stream between two events whose landing the host checks as it comes.
@@ -281,15 +283,17 @@ class Sealer:
 
 def stage(engine: Any, tag: str, version: str, name: str, records: Any, persist_now: bool,
           sealer: Sealer, copier: CopyBackend | None = None,
-          crc: Callable[[int, int], int] | None = None,
-          wait_for_memory: bool = True) -> "Sealer.Job":
+          crc: Callable[[int, int], int] | None = None) -> "Sealer.Job":
     """Stages a flattened object (a nebulite._serialization.RecordCollector) that holds
     device storages: reserves its image in the arena, copies the host records there at once
     (computing their CRC-32s), issues the device copies, and hands the sealing (the device
     records' CRC-32s, once landed, then ``engine.seal``) to `sealer`. Returns the job; the
-    caller waits for it (blocking staging) or leaves it to the optimizer barrier. Without
-    `wait_for_memory`, memory that is not free now is MemoryBudgetError at once (see
-    ``Engine.reserve``)."""
+    caller waits for it (blocking staging) or leaves it to the optimizer barrier.
+
+    Memory not free now may be held by earlier objects whose copies are still landing: the
+    reservation waits for memory only once `sealer` has sealed them (with the node agent,
+    their seals would queue behind it on one connection). An object larger than the free
+    memory after that raises MemoryBudgetError."""
     from . import _core
 
     # Beside training, half the cores and at most 8: the checksum pass over bytes the DMA
@@ -297,8 +301,12 @@ def stage(engine: Any, tag: str, version: str, name: str, records: Any, persist_
     # with 4 threads, 36 with 8, no more with 12; the link itself moves 55).
     threads = max(1, min(8, (os.cpu_count() or 2) // 2))
     crc = crc if crc is not None else (lambda address, n: int(_core.crc32(address, n, threads)))
-    arena_offset, nbytes, placed = engine.reserve(
-        tag, version, name, [(n, size) for n, _, size, _ in records.records], wait=wait_for_memory)
+    specs = [(n, size) for n, _, size, _ in records.records]
+    try:
+        arena_offset, nbytes, placed = engine.reserve(tag, version, name, specs, wait=False)
+    except MemoryBudgetError:
+        sealer.drain()
+        arena_offset, nbytes, placed = engine.reserve(tag, version, name, specs)
     image = int(engine.arena_address) + int(arena_offset)
     view = host_view(image, int(nbytes))  # the object's image in the arena
     crcs = [0] * len(records.records)

@@ -465,16 +465,8 @@ class _Session:
         for the copies of storages that may change before the next optimizer step, and the
         barrier orders that step after the rest, and commits once they landed."""
         try:
-            try:
-                job = _device.stage(self.engine, tag, version, name, records, persist_now,
-                                    self.sealer, wait_for_memory=False)
-            except MemoryBudgetError:
-                # The memory may be held by earlier objects whose copies are landing: they
-                # are sealed first, and only then may the reservation wait for memory (with
-                # the node agent, their seals would queue behind it on one connection).
-                self.sealer.drain()
-                job = _device.stage(self.engine, tag, version, name, records, persist_now,
-                                    self.sealer)
+            job = _device.stage(self.engine, tag, version, name, records, persist_now,
+                                self.sealer)
         except MemoryBudgetError:
             # Larger than the memory tier: the engine streams it from host memory.
             records.move_to_host()
