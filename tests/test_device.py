@@ -334,15 +334,23 @@ def test_a_save_waiting_for_memory_that_copies_still_landing_hold_goes_on(
     nm.init(persistent_storage_path=store, async_staging=True, num_of_version_in_retention=0)
     model, opt = _model()
     _step(model, opt)
+    save_each_step_and_check(model, opt, lambda: _step(model, opt))
+
+
+def save_each_step_and_check(model: torch.nn.Module, opt: torch.optim.Optimizer,
+                             step: Any, **load: Any) -> None:
+    """Three checkpoints of the model and its optimizer (two objects each), each followed
+    at once by `step`; then each checkpoint's model loads (with `load`'s arguments) as it
+    was when saved. Shared with tests/test_gpu.py."""
     expected = {}
     for k in range(3):
         expected[k] = {n: t.clone() for n, t in model.state_dict().items()}
         ck = nm.Checkpoint(f"s{k}", 2)
         ck.save("model", model.state_dict())
         ck.save("optimizer", opt.state_dict())
-        _step(model, opt)
+        step()
     for k, state in expected.items():
-        got = nm.get_checkpoint(tag=f"s{k}").load("model")
+        got = nm.get_checkpoint(tag=f"s{k}").load("model", **load)
         for n, t in state.items():
             assert torch.equal(got[n], t), (k, n)
 

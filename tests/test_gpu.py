@@ -19,6 +19,7 @@ from nebulite import _device, _serialization
 from nebulite.errors import TornCheckpointError
 
 from conftest import wait_ranks
+from test_device import save_each_step_and_check
 
 pytestmark = [
     pytest.mark.gpu,
@@ -111,17 +112,8 @@ def test_an_optimizer_step_right_after_an_async_save_keeps_the_saved_values(stor
     model(torch.randn(4, 2048, device="cuda")).square().mean().backward()
     opt.step()
     opt.step()
-    expected = {}
-    for k in range(3):
-        expected[k] = {n: t.clone() for n, t in model.state_dict().items()}
-        ck = nm.Checkpoint(f"s{k}", 2)
-        ck.save("model", model.state_dict())
-        ck.save("optimizer", opt.state_dict())
-        opt.step()  # issued at once: changes every weight on the device
-    for k, state in expected.items():
-        got = nm.get_checkpoint(tag=f"s{k}").load("model", map_location="cuda:0")
-        for n, t in state.items():
-            assert torch.equal(got[n], t), (k, n)
+    # Each step is issued at once after the saves: it changes every weight on the device.
+    save_each_step_and_check(model, opt, opt.step, map_location="cuda:0")
 
 
 @pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
