@@ -299,6 +299,34 @@ def test_containers_changed_after_save_leave_the_checkpoint_as_saved(store):
         assert torch.equal(got["model"][name], t), name
 
 
+def test_ordered_dicts_and_containers_they_share_are_kept_as_saved(store):
+    """A state_dict's order and `_metadata`, a list inside a tuple, and one list reached
+    twice are the ones at save(), however they change before the staging thread reads them."""
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _stepped_model()
+    sd = model.state_dict()
+    order, metadata = list(sd), {k: dict(v) for k, v in sd._metadata.items()}
+    expected = _clone(sd)
+    shared = [1, 2]
+    state = {"model": sd, "pair": ([5], "x"), "plain": (1, "a", torch.ones(2)),
+             "first": shared, "again": shared}
+    ckpt = nm.Checkpoint("a", nm.COMMIT_EXPLICITLY)
+    ckpt.save("state", state)
+    sd.move_to_end(order[0])
+    sd["0.bias"] = torch.zeros(3)
+    sd._metadata[""]["version"] = 99
+    state["pair"][0].append(6)
+    shared.append(3)
+    ckpt.commit()  # the staging thread reads the object only now
+    got = nm.get_checkpoint(tag="a").load("state", weights_only=False)
+    assert list(got["model"]) == order
+    assert {k: dict(v) for k, v in got["model"]._metadata.items()} == metadata
+    for name, t in expected.items():
+        assert torch.equal(got["model"][name], t), name
+    assert got["pair"] == ([5], "x") and got["plain"][:2] == (1, "a")
+    assert got["first"] == [1, 2] and got["first"] is got["again"]
+
+
 def test_buffers_are_copied_at_save_and_their_layout_checked_later(store):
     """A buffer forward changes is copied before save() returns; one reshaped in place
     before the staging thread read the object's structure fails the checkpoint."""

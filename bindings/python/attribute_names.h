@@ -27,6 +27,7 @@ struct Names {
   PyObject* requires_grad = PyUnicode_InternFromString("requires_grad");
   PyObject* hex = PyUnicode_InternFromString("hex");
   PyObject* items = PyUnicode_InternFromString("items");
+  PyObject* copy = PyUnicode_InternFromString("copy");
   PyObject* again = PyUnicode_InternFromString("again");
   PyObject* data_ptr = PyUnicode_InternFromString("data_ptr");
 };

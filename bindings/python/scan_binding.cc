@@ -114,6 +114,18 @@ class Scanner {
     return PyWeakref_GET_OBJECT(ref) == target;
 #endif
   }
+  // True if `x` has attributes of its own (without making the empty __dict__ that reading
+  // `__dict__` makes for an object that has none).
+  bool HasAttributes(PyObject* x) {
+#if PY_VERSION_HEX < 0x030D0000
+    PyObject** dict = _PyObject_GetDictPtr(x);
+    return dict != nullptr && *dict != nullptr &&
+           (!PyDict_Check(*dict) || PyDict_GET_SIZE(*dict) > 0);
+#else
+    nb::object attrs = Attr(x, N().dict);
+    return !PyDict_Check(attrs.ptr()) || PyDict_GET_SIZE(attrs.ptr()) > 0;
+#endif
+  }
   uint64_t Unsigned(const nb::object& o) {
     const unsigned long long v = PyLong_AsUnsignedLongLong(o.ptr());
     if (v == static_cast<unsigned long long>(-1) && PyErr_Occurred()) Check(nullptr);
@@ -124,8 +136,7 @@ class Scanner {
     const Names& n = N();
     if (Attr(x, n.is_cpu).ptr() != Py_True) throw NotScannable{};  // a device's: its own path
     // Attributes of its own are pickled with it (torch's reduction): not seen here.
-    nb::object attrs = Attr(x, n.dict);
-    if (!PyDict_Check(attrs.ptr()) || PyDict_GET_SIZE(attrs.ptr()) > 0) throw NotScannable{};
+    if (HasAttributes(x)) throw NotScannable{};
     nb::object s = Call(x, n.untyped_storage);
     auto [at, fresh] = index_.try_emplace(s.ptr(), static_cast<uint32_t>(index_.size()));
     const uint32_t k = at->second;
@@ -175,47 +186,61 @@ class Scanner {
     auto known = copies_of_.find(x);
     if (known != copies_of_.end()) return nb::borrow(known->second);
     if (is_tuple) {
+      // Immutable: shared as it is unless an item is a container that needs its copy.
       const Py_ssize_t size = PyTuple_GET_SIZE(x);
-      nb::object out = nb::steal(Check(PyTuple_New(size)));
-      for (Py_ssize_t i = 0; i < size; ++i)
-        PyTuple_SET_ITEM(out.ptr(), i, Copy(PyTuple_GET_ITEM(x, i), depth + 1).release().ptr());
+      std::vector<nb::object> items;
+      items.reserve(static_cast<size_t>(size));
+      bool same = true;
+      for (Py_ssize_t i = 0; i < size; ++i) {
+        items.push_back(Copy(PyTuple_GET_ITEM(x, i), depth + 1));
+        same = same && items.back().ptr() == PyTuple_GET_ITEM(x, i);
+      }
+      nb::object out = nb::borrow(x);
+      if (!same) {
+        out = nb::steal(Check(PyTuple_New(size)));
+        for (Py_ssize_t i = 0; i < size; ++i)
+          PyTuple_SET_ITEM(out.ptr(), i, items[static_cast<size_t>(i)].release().ptr());
+      }
       Remember(x, out);
       return out;
     }
+    // Lists and dicts are copied whole first (one allocation, no rehashing), then the items
+    // that are containers are replaced by their copies, in place.
     if (is_list) {
-      nb::object out = nb::steal(Check(PyList_New(0)));
+      nb::object out = nb::steal(Check(PyList_GetSlice(x, 0, PY_SSIZE_T_MAX)));
       Remember(x, out);
-      for (Py_ssize_t i = 0; i < PyList_GET_SIZE(x); ++i) {
-        nb::object item = nb::borrow(PyList_GET_ITEM(x, i));
-        Ok(PyList_Append(out.ptr(), Copy(item.ptr(), depth + 1).ptr()));
+      for (Py_ssize_t i = 0; i < PyList_GET_SIZE(out.ptr()); ++i) {
+        PyObject* item = PyList_GET_ITEM(out.ptr(), i);
+        nb::object copied = Copy(item, depth + 1);
+        if (copied.ptr() != item) Ok(PyList_SetItem(out.ptr(), i, copied.release().ptr()));
       }
       return out;
     }
-    nb::object out = nb::steal(Check(is_dict ? PyDict_New() : PyObject_CallNoArgs(type)));
+    // An OrderedDict's copy keeps its own order; its attributes (a state_dict's
+    // `_metadata`) are copied below.
+    nb::object out =
+        nb::steal(Check(is_dict ? PyDict_Copy(x) : PyObject_CallMethodNoArgs(x, N().copy)));
     Remember(x, out);
-    if (is_dict) {
-      Py_ssize_t pos = 0;
-      PyObject *k, *v;
-      while (PyDict_Next(x, &pos, &k, &v)) {
-        nb::object key = nb::borrow(k), value = nb::borrow(v);
-        Ok(PyDict_SetItem(out.ptr(), Copy(key.ptr(), depth + 1).ptr(),
-                          Copy(value.ptr(), depth + 1).ptr()));
-      }
-      return out;
+    // Keys are hashable, so immutable: kept as they are (scanned, though). Replacing the
+    // value of a key while iterating is allowed: the set of keys does not change.
+    Py_ssize_t pos = 0;
+    PyObject *key, *value;
+    while (PyDict_Next(out.ptr(), &pos, &key, &value)) {
+      nb::object k = nb::borrow(key), v = nb::borrow(value);
+      Copy(key, depth + 1);
+      nb::object copied = Copy(value, depth + 1);
+      if (copied.ptr() != value)
+        Ok(is_dict ? PyDict_SetItem(out.ptr(), key, copied.ptr())
+                   : PyObject_SetItem(out.ptr(), key, copied.ptr()));
     }
-    // An OrderedDict: its own order, and its attributes (a state_dict's `_metadata`).
-    nb::object items = Call(x, N().items);
-    for (nb::handle kv : items) {
-      nb::object pair = nb::borrow(kv);
-      Ok(PyObject_SetItem(out.ptr(), Copy(PyTuple_GET_ITEM(pair.ptr(), 0), depth + 1).ptr(),
-                          Copy(PyTuple_GET_ITEM(pair.ptr(), 1), depth + 1).ptr()));
-    }
+    if (is_dict) return out;
     nb::object attrs = Attr(x, N().dict);
     if (PyDict_Check(attrs.ptr()) && PyDict_GET_SIZE(attrs.ptr()) > 0) {
       nb::object copied = Copy(attrs.ptr(), depth + 1);
-      Py_ssize_t pos = 0;
-      PyObject *k, *v;
-      while (PyDict_Next(copied.ptr(), &pos, &k, &v)) Ok(PyObject_SetAttr(out.ptr(), k, v));
+      Py_ssize_t at = 0;
+      PyObject *name, *attr;
+      while (PyDict_Next(copied.ptr(), &at, &name, &attr))
+        Ok(PyObject_SetAttr(out.ptr(), name, attr));
     }
     return out;
   }

@@ -92,4 +92,4 @@ def cuda_in_use() -> bool:
     """True if this process has initialised CUDA (registering never initialises it)."""
     import torch
 
-    return torch.cuda.is_available() and torch.cuda.is_initialized()
+    return torch.cuda.is_initialized()  # (only where CUDA is available)

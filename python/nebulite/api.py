@@ -797,12 +797,11 @@ class Checkpoint:
             s.last_persist is None or now - s.last_persist >= s.config.persistent_time_interval
         )
         must_here = int(v is not None and s.engine.must_persist(self.tag, v.version))
-        if s.rank == 0:
-            # The commit order continues after every commit this process can see, its own
-            # engine's and the store's (an agent of an earlier run may have committed since).
-            s.seq = max([s.seq] + [int(x["seq"]) for x in s.engine.versions()])
-            if s.root:
-                s.seq = max(s.seq, _newest_claimed_seq(s.root))
+        if s.rank == 0 and s.root and isinstance(s.engine, _core.Engine):
+            # The commit order continues after this session's commits (s.seq: the embedded
+            # engine holds no others) and the store's (an agent of an earlier run may have
+            # committed since). An agent numbers the commits it makes itself.
+            s.seq = max(s.seq, _newest_claimed_seq(s.root))
         mine = _core.parse_version_name(v.version)[1] if v is not None else 0
         # A job whose writer lease another job took (this one looked dead: paused, or cut
         # off from the store longer than the lease's TTL) commits nothing more there.
