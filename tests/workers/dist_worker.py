@@ -243,6 +243,9 @@ def run_rank_error(store: str, rank: int, world: int, port: int) -> dict:
     _init_dist(rank, world, port)
     nm.init(persistent_storage_path=store, persistent_time_interval=0,
             num_of_version_in_retention=0, commit_timeout=5, agent=False)
+    # Rank 1 makes t1's version directory by hand below: rank 0 must have read the store
+    # at init before (else it counts that version as taken and names t1 after the next).
+    dist.barrier()
     ck = nm.Checkpoint("t1", -2)
     ck.save(f"shard_rank{rank}", shard(rank, 1))
     if rank == 1:  # a file where this rank's directory goes: its writes of t1 will fail
@@ -251,9 +254,16 @@ def run_rank_error(store: str, rank: int, world: int, port: int) -> dict:
         open(os.path.join(store, "t1", version, "rank1"), "w").close()
     assert ck.commit() is True
     if rank == 1:  # wait until the failure is known here (and only here)
-        deadline = time.monotonic() + HANG_TIMEOUT
-        while time.monotonic() < deadline and not any(
-                v["failed"] for v in nm.api._session.engine.versions()):
+        # Less than the tests' JOB_TIMEOUT (300 s), so that a failure that never shows is
+        # reported with what this rank saw, not as a hung job.
+        deadline = time.monotonic() + 240
+        while not any(v["failed"] for v in nm.api._session.engine.versions()):
+            if time.monotonic() > deadline:
+                files = sorted(os.path.relpath(os.path.join(d, f), store)
+                               for d, _, fs in os.walk(store) for f in fs)
+                raise AssertionError(f"the write of t1 did not fail on rank 1 (blocked at "
+                                     f"t1/{version}/rank1): versions "
+                                     f"{nm.api._session.engine.versions()}, files {files}")
             time.sleep(0.05)
     dist.barrier()
     out: dict = {"rank": rank}
