@@ -4,6 +4,8 @@
     proxy.fail_next(2, status=503, methods=("PUT",))   # the next 2 PUTs get a 503
     ...                                                # point a client at proxy.endpoint
     proxy.count                                        # requests forwarded upstream
+    proxy.hold()                                       # requests wait here ...
+    proxy.release()                                    # ... until this
     proxy.stop()
 
 Thread-safety: every public method may be called from any thread while requests are in
@@ -57,11 +59,13 @@ class FaultProxy:
     requests: list[tuple[str, str, int]] = field(default_factory=list)  #: (method, path, status)
     _rules: list[_Rule] = field(default_factory=list)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _open: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         u = urllib.parse.urlsplit(self.upstream)
         self._host, self._port = u.hostname or "127.0.0.1", u.port or 80
         self._server: http.server.ThreadingHTTPServer | None = None
+        self._open.set()
 
     # --- control -------------------------------------------------------------------------
     def fail_next(
@@ -84,6 +88,14 @@ class FaultProxy:
         """Closes the connection of the next `n` matching requests without an answer."""
         with self._lock:
             self._rules.append(_Rule(n, 0, methods, None, None, True))
+
+    def hold(self) -> None:
+        """Requests arriving from now on wait, unanswered, until release() (a store that
+        hangs): whoever sends one waits too."""
+        self._open.clear()
+
+    def release(self) -> None:
+        self._open.set()
 
     def clear(self) -> None:
         with self._lock:
@@ -111,6 +123,7 @@ class FaultProxy:
         return self
 
     def stop(self) -> None:
+        self.release()
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
@@ -181,6 +194,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
 
     def _handle(self) -> None:
         method, path = self.command, self.path
+        self.owner._open.wait()
         rule = self.owner._take_rule(method, path)
         if rule is not None:
             for _ in self._request_body_blocks():

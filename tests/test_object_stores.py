@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -399,3 +400,46 @@ def test_lightning_checkpoint_directory_in_an_object_store(tmp_path, store_url, 
     kept = [e.url.rsplit("/", 1)[1] for e in listed]
     assert len(kept) == 2 and kept[0].endswith("-step=6.ckpt") and kept[1] == "last.ckpt", kept
     assert sorted(_committed(store)) == kept
+
+
+def test_saving_a_checkpoint_waits_for_no_request_to_the_store(moto_s3, monkeypatch):
+    # save() returns once the state is in memory: committing a checkpoint must not wait for
+    # the store, whose requests take milliseconds to seconds. With every request to the
+    # store held unanswered, a checkpoint kept in memory (within persistent_time_interval)
+    # and one to be persisted (an interval of 0) are saved and committed all the same; their
+    # requests go out from the background once the store answers again.
+    from nebulite.cli.history import read_rows
+
+    with FaultProxy(moto_s3.endpoint) as proxy:
+        for k, v in moto_s3.env_for(proxy.endpoint).items():
+            monkeypatch.setenv(k, v)
+        url = moto_s3.new_url()
+        for interval, tag in ((3600, "in_memory"), (0, "persisted")):
+            nebulite.init(persistent_storage_path=url, persistent_time_interval=interval,
+                          num_of_version_in_retention=5)
+            nebulite.Checkpoint(f"before_{tag}").save("model", _state(1))
+            nebulite.flush_persistence()
+
+            def saves(tag: str = tag) -> None:
+                ck = nebulite.Checkpoint(tag, 2)
+                ck.save("model", _state(2))
+                ck.save("optimizer", {"lr": 0.1})
+
+            proxy.hold()
+            try:
+                t = threading.Thread(target=saves)
+                t.start()
+                # A save that sent a request would wait until the client's own timeout (300
+                # s): 120 s tells the two apart, whatever the load.
+                t.join(120)
+                assert not t.is_alive(), f"saving {tag!r} waited for a request to the store"
+            finally:
+                proxy.release()
+            assert nebulite.list_checkpoints()[0]["tag"] == tag  # the newest first
+            nebulite.flush_persistence()
+            _assert_state(nebulite.get_latest_checkpoint().load("model"), 2)
+            nebulite.api._reset_for_tests()
+        # (shutdown persisted the checkpoint kept in memory)
+        assert _committed(url) == ["before_in_memory", "in_memory", "before_persisted", "persisted"]
+        outcomes = {(r["tag"], r["outcome"]) for r in read_rows(url)}
+        assert ("in_memory", "in_memory") in outcomes and ("persisted", "committed") in outcomes

@@ -300,6 +300,7 @@ void RegisterEngine(nb::module_& m) {
              nb::gil_scoped_release release;
              e.Abandon(tag, version);
            })
+      .def("newest_seq", &Engine::NewestSeq)
       .def("versions",
            [](Engine& e) {
              nb::list out;

@@ -797,11 +797,12 @@ class Checkpoint:
             s.last_persist is None or now - s.last_persist >= s.config.persistent_time_interval
         )
         must_here = int(v is not None and s.engine.must_persist(self.tag, v.version))
-        if s.rank == 0 and s.root and isinstance(s.engine, _core.Engine):
-            # The commit order continues after this session's commits (s.seq: the embedded
-            # engine holds no others) and the store's (an agent of an earlier run may have
-            # committed since). An agent numbers the commits it makes itself.
-            s.seq = max(s.seq, _newest_claimed_seq(s.root))
+        if s.rank == 0 and isinstance(s.engine, _core.Engine):
+            # The commit order continues after this session's commits and the store's as
+            # far as they are known without a request (read at init; then each commit in
+            # the store claims a number above every writer's, which the engine keeps). An
+            # agent numbers the commits it makes itself.
+            s.seq = max(s.seq, s.engine.newest_seq())
         mine = _core.parse_version_name(v.version)[1] if v is not None else 0
         # A job whose writer lease another job took (this one looked dead: paused, or cut
         # off from the store longer than the lease's TTL) commits nothing more there.

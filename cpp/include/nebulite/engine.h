@@ -189,6 +189,10 @@ class Engine {
 
   // Committed versions of this rank still known to the engine, ordered by seq.
   virtual std::vector<VersionInfo> Versions() = 0;
+  // The highest commit number this engine was given (Commit) or claimed in the store (its
+  // commits there take a number above every other writer's): the next commit's order
+  // starts after it, without a request to the store. 0 before any commit.
+  virtual uint64_t NewestSeq() = 0;
   // Pins an object of a committed version held in memory (NotFound otherwise), waiting
   // for a deferred copy of it to land.
   virtual Result<std::shared_ptr<ObjectLease>> Pin(const std::string& tag,

@@ -37,6 +37,7 @@ Status CommitCoordinator::CommitNow(const std::shared_ptr<VersionState>& v) {
   {
     std::lock_guard<std::mutex> lock(core_->mu);
     v->seq = c.seq;  // the store's order from now on
+    core_->newest_seq = std::max(core_->newest_seq, c.seq);
   }
   core_->history.Append({c.tag, c.version, "", core_->opts.rank, bytes, 0,
                          SecondsBetween(t0, Clock::now()), "persistent", "committed"});

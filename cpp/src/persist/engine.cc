@@ -360,23 +360,13 @@ class EngineImpl : public Engine {
     return v && v->must_persist;
   }
 
+  // Completes the version on this rank. A version kept in memory only has its history rows
+  // written by the persister; a persisted version's, with its commit in the store, in one
+  // write: committing makes no request to the store.
   Status Commit(const std::string& tag, const std::string& version, uint64_t seq,
                 bool persist) override {
     NEBULITE_RETURN_IF_ERROR(ValidateTag(tag));
     NEBULITE_RETURN_IF_ERROR(ValidateVersionName(version));
-    std::vector<HistoryRow> rows;
-    Status st = CommitLocked(tag, version, seq, persist, &rows);
-    // A version kept in memory only has its rows written now (to the store, outside the
-    // lock); a persisted version's rows are written with its commit in the store, in one write.
-    if (!rows.empty()) {
-      for (const HistoryRow& r : rows) core_->history.Append(r);
-      core_->history.Flush();
-    }
-    return st;
-  }
-
-  Status CommitLocked(const std::string& tag, const std::string& version, uint64_t seq,
-                      bool persist, std::vector<HistoryRow>* rows) {
     std::lock_guard<std::mutex> lock(core_->mu);
     if (core_->closing) return Status::FailedPrecondition("the engine is closed");
     // A rank that saved nothing still commits.
@@ -393,13 +383,15 @@ class EngineImpl : public Engine {
     if (persist && !core_->storage) return Status::FailedPrecondition("no persistent path is set");
     v->committed = true;
     v->seq = seq;
+    core_->newest_seq = std::max(core_->newest_seq, seq);
     v->commit_unix_ns = NowUnixNs();
     if (persist) {
       core_->persister->EnqueueVersionLocked(v);
     } else {
       for (auto& o : v->objects)
-        rows->push_back({tag, version, o->name, core_->opts.rank, o->bytes, o->blocking_seconds, 0,
-                         "memory", "in_memory"});
+        core_->history.Append({tag, version, o->name, core_->opts.rank, o->bytes,
+                               o->blocking_seconds, 0, "memory", "in_memory"});
+      if (core_->persister) core_->persister->WriteHistoryLocked();
     }
     core_->versions.ApplyRetention();
     return Status::OK();
@@ -540,6 +532,11 @@ class EngineImpl : public Engine {
   }
 
   // -- reading --------------------------------------------------------------------------
+
+  uint64_t NewestSeq() override {
+    std::lock_guard<std::mutex> lock(core_->mu);
+    return core_->newest_seq;
+  }
 
   std::vector<VersionInfo> Versions() override {
     std::lock_guard<std::mutex> lock(core_->mu);

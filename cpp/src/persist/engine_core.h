@@ -44,6 +44,7 @@ struct EngineCore {
   VersionTable versions;       // GUARDED_BY(mu)
   std::vector<Status> errors;  // GUARDED_BY(mu)
   bool closing = false;        // GUARDED_BY(mu): no new work is accepted
+  uint64_t newest_seq = 0;     // GUARDED_BY(mu): the highest commit number given or claimed
 
   std::unique_ptr<Stager> stager;
   std::unique_ptr<Persister> persister;

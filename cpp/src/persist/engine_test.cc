@@ -3,12 +3,14 @@
 #include <gtest/gtest.h>
 #include <unistd.h>
 
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <filesystem>
 #include <thread>
 #include <vector>
 
+#include "base/test_util.h"
 #include "nebulite/commit.h"
 #include "nebulite/crc32.h"
 #include "nebulite/fault_storage.h"
@@ -385,6 +387,49 @@ std::vector<uint32_t> Fill(const Engine& e, const Reservation& r, const Object& 
     crcs.push_back(Crc32(0, o.payloads[i].data(), o.payloads[i].size()));
   }
   return crcs;
+}
+
+// Committing never waits for the store: a version kept in memory only has its history
+// rows written by the persister's thread, and the order of the next commit comes from the
+// numbers the engine gave and claimed (NewestSeq), not from a listing of the store.
+TEST(EngineTest, CommittingMakesNoRequestToTheStoreOnTheCallersThread) {
+  auto base = std::shared_ptr<Storage>(NewMemoryStorage());
+  auto fault = std::shared_ptr<FaultStorage>(FaultStorage::Wrap(base.get()));
+  auto opts = Options("");
+  opts.storage_override = fault;
+  auto e = Engine::Open(opts);
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  EXPECT_EQ(engine.NewestSeq(), 0u);
+  const std::thread::id caller = std::this_thread::get_id();
+  std::atomic<int> on_caller{0};
+  fault->SetHook([&](StorageOp, const std::string&) {
+    if (std::this_thread::get_id() == caller) ++on_caller;
+    return Status::OK();
+  });
+  auto obj = MakeObject({100, 70000}, 1);
+  ASSERT_TRUE(engine.Stage("mem", "v1", "n", obj.records).ok());
+  ASSERT_TRUE(engine.Commit("mem", "v1", 3, /*persist=*/false).ok());
+  EXPECT_EQ(on_caller.load(), 0);
+  EXPECT_EQ(engine.NewestSeq(), 3u);
+  ASSERT_TRUE(engine.Flush(60).ok());  // and the history row is written
+  fault->SetHook(nullptr);
+  std::string csv = Val(base->ReadFile(kHistoryFile, 1 << 20));
+  EXPECT_NE(csv.find(",mem,v1,n,0,"), std::string::npos) << csv;
+  EXPECT_NE(csv.find(",memory,in_memory\n"), std::string::npos) << csv;
+
+  // Another writer claimed number 9: the next commit in the store claims above it, and
+  // NewestSeq says so.
+  ASSERT_TRUE(base->CreateFileExclusive(".nebulite/seq/00000000000000000009", "").ok());
+  ASSERT_TRUE(engine.Stage("disk", "v2", "n", obj.records).ok());
+  ASSERT_TRUE(engine.Commit("disk", "v2", 4, /*persist=*/true).ok());
+  EXPECT_GE(engine.NewestSeq(), 4u);  // 10 once the persister claimed it
+  ASSERT_TRUE(engine.Flush(60).ok());
+  EXPECT_EQ(engine.NewestSeq(), 10u);
+  auto cat = ReadCatalog(base.get());
+  ASSERT_TRUE(cat.ok());
+  ASSERT_EQ(cat->entries.size(), 1u);
+  EXPECT_EQ(cat->entries[0].commit.seq, 10u);
 }
 
 TEST(EngineReserveTest, ReservedAndFilledObjectsPersistLikeStagedOnes) {

@@ -58,7 +58,6 @@ void HistoryLog::Append(HistoryRow row) {
   if (rows_.size() > kHistoryRowsKept) rows_.pop_front();
   if (!storage_ || storage_->read_only()) return;
   unwritten_ += FormatRow(row);
-  if (!storage_->is_object_store()) WriteLocked();
 }
 
 void HistoryLog::Flush() {

@@ -1,8 +1,8 @@
 // HistoryLog: appends checkpointHistories.csv rows to a store and keeps the newest rows
-// in memory for History(). On a posix store each row is one append. On an object store an
-// append rewrites the whole object (three requests), so rows are held until Flush(),
-// which the engine calls once a version is committed, has failed, or the engine closes:
-// the rows of one commit are one write.
+// in memory for History(). Rows are held until Flush(), which the engine's background
+// threads call once a version is committed (in the store, or in memory only), has failed,
+// and when the engine closes: the rows of one commit are one write (one append on a posix
+// store; on an object store an append rewrites the whole object, three requests).
 // Columns (stable; documented in docs/format.md): time_utc, tag, version, name, rank,
 // bytes, blocking_seconds, persist_seconds, throughput_mb_s, tier, outcome.
 // The history is best effort: a row that cannot be written is dropped from the file

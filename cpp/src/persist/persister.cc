@@ -25,6 +25,11 @@ void Persister::EnqueueCleanupLocked(const std::shared_ptr<VersionState>& v) {
   core_->changed.notify_all();
 }
 
+void Persister::WriteHistoryLocked() {
+  history_due_ = true;
+  core_->changed.notify_all();
+}
+
 bool Persister::HasJobsLocked(const VersionState* v) const {
   if (running_ == v) return true;
   for (const Job& j : queue_)
@@ -89,7 +94,17 @@ void Persister::Fail(const std::shared_ptr<VersionState>& v, const Status& st,
 void Persister::Loop() {
   std::unique_lock<std::mutex> lock(core_->mu);
   while (true) {
-    core_->changed.wait(lock, [&] { return stop_ || !queue_.empty(); });
+    core_->changed.wait(lock, [&] { return stop_ || history_due_ || !queue_.empty(); });
+    if (history_due_) {
+      history_due_ = false;
+      busy_ = true;
+      lock.unlock();
+      core_->history.Flush();
+      lock.lock();
+      busy_ = false;
+      core_->changed.notify_all();
+      continue;
+    }
     if (queue_.empty()) return;  // stopped and drained
     Job job = std::move(queue_.front());
     queue_.pop_front();

@@ -8,6 +8,8 @@
 //            (CommitCoordinator::CommitNow); rank 0 of several hands the version to the
 //            coordinator; other ranks are done (they learn of the commit from the marker)
 //   cleanup  the files of a version this rank abandoned (RemoveAbandonedRankFiles)
+// and, between jobs, the history rows held back (WriteHistoryLocked: of a version
+// committed in memory only, so that committing never waits for the store).
 // The first time a version touches the store, the persister checks that no commit marker
 // of that name exists (a reused run id must never overwrite a committed version).
 //
@@ -46,7 +48,9 @@ class Persister : public BackgroundLoop {
   // The objects of `v` not written yet, then its finish job.
   void EnqueueVersionLocked(const std::shared_ptr<VersionState>& v);
   void EnqueueCleanupLocked(const std::shared_ptr<VersionState>& v);
-  bool IdleLocked() const { return queue_.empty() && !busy_; }
+  // Asks for the history rows held back to be written (HistoryLog::Flush) on this thread.
+  void WriteHistoryLocked();
+  bool IdleLocked() const { return queue_.empty() && !busy_ && !history_due_; }
   // True while a job of `v`, or of any version named (tag, version), is queued or running.
   bool HasJobsLocked(const VersionState* v) const;
   bool HasJobsLocked(const std::string& tag, const std::string& version) const;
@@ -73,6 +77,7 @@ class Persister : public BackgroundLoop {
   std::deque<Job> queue_;                  // GUARDED_BY(core_->mu)
   const VersionState* running_ = nullptr;  // GUARDED_BY(core_->mu)
   bool busy_ = false;                      // GUARDED_BY(core_->mu)
+  bool history_due_ = false;               // GUARDED_BY(core_->mu)
 };
 
 }  // namespace nebulite

@@ -134,6 +134,8 @@ class Agent:
                 if self.users.get(key) or self.pinned.get(key) or self.engines.get(key) is not e:
                     continue
                 del self.engines[key]
+            with self.commit_lock:  # the numbers it claimed still count
+                self.newest_seq = max(self.newest_seq, int(e.newest_seq()))
             try:
                 e.close(self.commit_timeout)
             except errors.NebuliteError as ex:
@@ -223,13 +225,29 @@ class Agent:
         with self.lock:  # once queued: serve_forever() ends when the queue is empty
             self.stopping = True
 
+    def _learn_store_order(self) -> None:
+        """Reads the newest commit number claimed in the store (another node's agent, or a
+        run without one, may have committed since this agent last looked): once per
+        trainer that says hello, so that committing never has to."""
+        if not self.root:
+            return
+        try:
+            newest = int(_core.newest_claimed_seq(self.root))
+        except errors.NebuliteError as ex:
+            log.warning("reading the store's commit numbers: %s", ex)
+            return
+        with self.commit_lock:
+            self.newest_seq = max(self.newest_seq, newest)
+
     def _commit(self, engine: Any, tag: str, version: str, persist: bool) -> int:
         """Commits a version on one rank under the number the agent gives it: the one
         another rank's commit of that version already got, else one more than every number
-        this agent gave or holds and every number claimed in the store. Trainers send none
-        (a number from a client could be anything, up to the end of the range, and every
-        later commit would have to come after it); the store's coordinator claims its own,
-        at least this one, when the version is committed there."""
+        this agent gave, its engines claimed in the store, or found claimed there when a
+        trainer last said hello. Committing makes no request to the store, so a trainer
+        never waits for it. Trainers send no number (one from a client could be anything,
+        up to the end of the range, and every later commit would have to come after it);
+        the store's coordinator claims its own, at least this one and above every
+        writer's, when the version is committed there."""
         with self.commit_lock:
             with self.lock:
                 engines = list(self.engines.values())
@@ -238,13 +256,8 @@ class Agent:
                 for v in e.versions():
                     if v["tag"] == tag and v["version"] == version:
                         seq = int(v["seq"])
-                    newest = max(newest, int(v["seq"]))
+                newest = max(newest, int(e.newest_seq()))
             if not seq:
-                if self.root:
-                    try:
-                        newest = max(newest, int(_core.newest_claimed_seq(self.root)))
-                    except errors.NebuliteError as ex:
-                        log.warning("reading the store's commit numbers: %s", ex)
                 seq = newest + 1
             engine.commit(tag, version, seq, persist)
             self.newest_seq = max(self.newest_seq, seq)
@@ -423,6 +436,7 @@ class Agent:
                         c.run = run
                         self._hold_run(run)
                 c.engine = self.engine_for(rank, world)
+                self._learn_store_order()
                 c.key = (rank, world)
                 c.rank = rank
                 return ({"ok": True, "capacity": self.arena.capacity, "pid": os.getpid()},
