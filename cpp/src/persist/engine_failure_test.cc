@@ -24,33 +24,13 @@ namespace {
 using engine_test::CheckEveryCommittedVersion;
 using engine_test::Committed;
 using engine_test::ExpectStored;
+using engine_test::FaultyStore;
 using engine_test::MakeObject;
 using engine_test::Object;
+using engine_test::Open;
 using engine_test::Options;
+using engine_test::OptionsOn;
 using engine_test::TempDir;
-
-// A memory store behind a fault-injecting wrapper, shared by engines.
-struct FaultyStore {
-  std::shared_ptr<Storage> base{NewMemoryStorage()};
-  std::shared_ptr<FaultStorage> fault{FaultStorage::Wrap(base.get())};
-};
-
-EngineOptions OptionsOn(const FaultyStore& s, uint32_t rank = 0, uint32_t world = 1,
-                        uint32_t retention = 0, uint64_t memory = 32 << 20) {
-  EngineOptions o = Options("", memory);
-  o.storage_override = s.fault;
-  o.rank = rank;
-  o.world_size = world;
-  o.retention = retention;
-  o.commit_timeout_seconds = 30;
-  return o;
-}
-
-std::unique_ptr<Engine> Open(const EngineOptions& o) {
-  auto e = Engine::Open(o);
-  EXPECT_TRUE(e.ok()) << e.status().ToString();
-  return e.ok() ? std::move(e).value() : nullptr;
-}
 
 // Fails the n-th (0-based) operation of kind `op` on `path`, once.
 FaultStorage::Hook FailNth(StorageOp op, std::string path, int n, Status st) {

@@ -22,9 +22,12 @@ namespace {
 
 namespace fs = std::filesystem;
 using engine_test::ExpectStored;
+using engine_test::FaultyStore;
 using engine_test::MakeObject;
 using engine_test::Object;
+using engine_test::Open;
 using engine_test::Options;
+using engine_test::OptionsOn;
 using engine_test::TempDir;
 
 TEST(EngineTest, PersistsCommitsAndReadsBack) {
@@ -323,18 +326,15 @@ TEST(EngineTest, RankOneFlushesVersionsThatRetentionRetiredBeforeItLooked) {
 }
 
 TEST(EngineTest, StoreFailureIsReportedAndEarlierCommitsStayIntact) {
-  auto base = std::shared_ptr<Storage>(NewMemoryStorage());
-  auto fault = std::shared_ptr<FaultStorage>(FaultStorage::Wrap(base.get()));
-  auto opts = Options("");
-  opts.storage_override = fault;
-  auto e = Engine::Open(opts);
-  ASSERT_TRUE(e.ok());
-  Engine& engine = **e;
+  FaultyStore store;
+  auto e = Open(OptionsOn(store));
+  ASSERT_TRUE(e);
+  Engine& engine = *e;
   auto good = MakeObject({100, 70000}, 1);
   ASSERT_TRUE(engine.Stage("good", "v", "n", good.records).ok());
   ASSERT_TRUE(engine.Commit("good", "v", 1, true).ok());
   ASSERT_TRUE(engine.Flush(60).ok());
-  fault->FailAfter(StorageOp::kWrite, 0, Status::NoSpace("disk full (injected)"));
+  store.fault->FailAfter(StorageOp::kWrite, 0, Status::NoSpace("disk full (injected)"));
   auto bad = MakeObject({100, 70000}, 2);
   ASSERT_TRUE(engine.Stage("bad", "v", "n", bad.records).ok());
   ASSERT_TRUE(engine.Commit("bad", "v", 2, true).ok());
@@ -343,19 +343,19 @@ TEST(EngineTest, StoreFailureIsReportedAndEarlierCommitsStayIntact) {
   auto errors = engine.TakeErrors();
   ASSERT_FALSE(errors.empty());
   EXPECT_EQ(errors[0].code(), StatusCode::kNoSpace);
-  fault->ClearFailures();
-  auto cat = ReadCatalog(fault.get());
+  store.fault->ClearFailures();
+  auto cat = ReadCatalog(store.fault.get());
   ASSERT_TRUE(cat.ok());
   ASSERT_EQ(cat->entries.size(), 1u);
   EXPECT_EQ(cat->entries[0].commit.tag, "good");
-  ExpectStored(fault.get(), DataFilePath("good", "v", 0, "n"), good);
+  ExpectStored(store.fault.get(), DataFilePath("good", "v", 0, "n"), good);
   bool failed_row = false;
   for (const auto& r : engine.History()) failed_row |= r.outcome.rfind("failed", 0) == 0;
   EXPECT_TRUE(failed_row);
   // The failed version is still in memory and can be persisted again.
   ASSERT_TRUE(engine.Persist("bad", "v").ok());
   ASSERT_TRUE(engine.Flush(60).ok());
-  cat = ReadCatalog(fault.get());
+  cat = ReadCatalog(store.fault.get());
   ASSERT_TRUE(cat.ok());
   EXPECT_EQ(cat->entries.size(), 2u);
 }
@@ -393,17 +393,14 @@ std::vector<uint32_t> Fill(const Engine& e, const Reservation& r, const Object& 
 // rows written by the persister's thread, and the order of the next commit comes from the
 // numbers the engine gave and claimed (NewestSeq), not from a listing of the store.
 TEST(EngineTest, CommittingMakesNoRequestToTheStoreOnTheCallersThread) {
-  auto base = std::shared_ptr<Storage>(NewMemoryStorage());
-  auto fault = std::shared_ptr<FaultStorage>(FaultStorage::Wrap(base.get()));
-  auto opts = Options("");
-  opts.storage_override = fault;
-  auto e = Engine::Open(opts);
-  ASSERT_TRUE(e.ok());
-  Engine& engine = **e;
+  FaultyStore store;
+  auto e = Open(OptionsOn(store));
+  ASSERT_TRUE(e);
+  Engine& engine = *e;
   EXPECT_EQ(engine.NewestSeq(), 0u);
   const std::thread::id caller = std::this_thread::get_id();
   std::atomic<int> on_caller{0};
-  fault->SetHook([&](StorageOp, const std::string&) {
+  store.fault->SetHook([&](StorageOp, const std::string&) {
     if (std::this_thread::get_id() == caller) ++on_caller;
     return Status::OK();
   });
@@ -413,20 +410,20 @@ TEST(EngineTest, CommittingMakesNoRequestToTheStoreOnTheCallersThread) {
   EXPECT_EQ(on_caller.load(), 0);
   EXPECT_EQ(engine.NewestSeq(), 3u);
   ASSERT_TRUE(engine.Flush(60).ok());  // and the history row is written
-  fault->SetHook(nullptr);
-  std::string csv = Val(base->ReadFile(kHistoryFile, 1 << 20));
+  store.fault->SetHook(nullptr);
+  std::string csv = Val(store.base->ReadFile(kHistoryFile, 1 << 20));
   EXPECT_NE(csv.find(",mem,v1,n,0,"), std::string::npos) << csv;
   EXPECT_NE(csv.find(",memory,in_memory\n"), std::string::npos) << csv;
 
   // Another writer claimed number 9: the next commit in the store claims above it, and
   // NewestSeq says so.
-  ASSERT_TRUE(base->CreateFileExclusive(".nebulite/seq/00000000000000000009", "").ok());
+  ASSERT_TRUE(store.base->CreateFileExclusive(".nebulite/seq/00000000000000000009", "").ok());
   ASSERT_TRUE(engine.Stage("disk", "v2", "n", obj.records).ok());
   ASSERT_TRUE(engine.Commit("disk", "v2", 4, /*persist=*/true).ok());
   EXPECT_GE(engine.NewestSeq(), 4u);  // 10 once the persister claimed it
   ASSERT_TRUE(engine.Flush(60).ok());
   EXPECT_EQ(engine.NewestSeq(), 10u);
-  auto cat = ReadCatalog(base.get());
+  auto cat = ReadCatalog(store.base.get());
   ASSERT_TRUE(cat.ok());
   ASSERT_EQ(cat->entries.size(), 1u);
   EXPECT_EQ(cat->entries[0].commit.seq, 10u);

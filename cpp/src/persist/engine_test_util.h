@@ -6,12 +6,14 @@
 
 #include <cstring>
 #include <filesystem>
+#include <memory>
 #include <string>
 #include <vector>
 
 #include "nebulite/commit.h"
 #include "nebulite/crc32.h"
 #include "nebulite/engine.h"
+#include "nebulite/fault_storage.h"
 #include "nebulite/stored_archive.h"
 
 namespace nebulite::engine_test {
@@ -59,6 +61,29 @@ inline EngineOptions Options(const std::string& root, uint64_t memory = 32 << 20
   o.copy_threads = 2;
   o.io_threads = 2;
   return o;
+}
+
+// A memory store behind a fault-injecting wrapper, shared by engines.
+struct FaultyStore {
+  std::shared_ptr<Storage> base{NewMemoryStorage()};
+  std::shared_ptr<FaultStorage> fault{FaultStorage::Wrap(base.get())};
+};
+
+inline EngineOptions OptionsOn(const FaultyStore& s, uint32_t rank = 0, uint32_t world = 1,
+                        uint32_t retention = 0, uint64_t memory = 32 << 20) {
+  EngineOptions o = Options("", memory);
+  o.storage_override = s.fault;
+  o.rank = rank;
+  o.world_size = world;
+  o.retention = retention;
+  o.commit_timeout_seconds = 30;
+  return o;
+}
+
+inline std::unique_ptr<Engine> Open(const EngineOptions& o) {
+  auto e = Engine::Open(o);
+  EXPECT_TRUE(e.ok()) << e.status().ToString();
+  return e.ok() ? std::move(e).value() : nullptr;
 }
 
 // Reads every record of a persisted data file back and compares it (failures are the
