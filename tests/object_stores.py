@@ -290,21 +290,24 @@ class GcsEmulator(Emulator):
             "--quiet",
         ]
 
-    def _ready_url(self) -> str:
+    def _bucket_url(self) -> str:
         return f"http://127.0.0.1:{self.port}/storage/v1/b/{self.container}"
+
+    def _ready_url(self) -> str:
+        return self._bucket_url()
 
     def env_for(self, endpoint: str) -> dict[str, str]:
         return {"STORAGE_EMULATOR_HOST": endpoint}
 
     def _spawn(self) -> None:
         super()._spawn()
-        # As the README advises for a checkpoint bucket: no soft delete. The
-        # emulator would otherwise keep a copy of every object deleted (each temporary part
-        # of an upload, each checkpoint retention removes) in its memory, and its state, and
-        # with it the time of each request, would grow over a test run.
+        # As the README advises for a checkpoint bucket: no soft delete. The emulator would
+        # otherwise keep a copy of every object deleted (each temporary part of an upload,
+        # each checkpoint retention removes) in its memory, and its state, and with it the
+        # time of each request, would grow over a test run.
         body = b'{"softDeletePolicy": {"retentionDurationSeconds": "0"}}'
         request = urllib.request.Request(
-            f"http://127.0.0.1:{self.port}/storage/v1/b/{self.container}",
+            self._bucket_url(),
             data=body,
             method="PATCH",
             headers={"Content-Type": "application/json"},
