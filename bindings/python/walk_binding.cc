@@ -85,7 +85,8 @@ class Walker {
     nb::object id = nb::steal(PyLong_FromVoidPtr(s.ptr()));
     if (found == nullptr) {
       j = static_cast<int64_t>(sizes_.size());
-      if (PyDict_SetItem(storages_.ptr(), s.ptr(), nb::int_(j).ptr()) != 0) throw nb::python_error();
+      if (PyDict_SetItem(storages_.ptr(), s.ptr(), nb::int_(j).ptr()) != 0)
+        throw nb::python_error();
       storage_list_.append(s);
       sizes_.push_back(Call(s.ptr(), n.nbytes));
       views = nb::steal(PyList_New(0));
@@ -166,7 +167,8 @@ class Walker {
           Visit(item.ptr(), depth + 1);
         }
       } else {
-        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(x); ++i) Visit(PyTuple_GET_ITEM(x, i), depth + 1);
+        for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(x); ++i)
+          Visit(PyTuple_GET_ITEM(x, i), depth + 1);
       }
       return;
     }
