@@ -15,7 +15,10 @@ median time *until staged* (DCP: its staging future; nebulite: until an optimize
 right after the save returns: its barrier waits for the staging; the step itself has no
 gradients to apply), and nebulite's blocking time as a fraction of DCP's
 (target: at most 1/10). The first save of each candidate warms its memory and is left
-out of the medians.
+out of the medians. Then, for nebulite, what asynchronous staging adds to every optimizer
+step, checkpointing or not: the median time of a step without gradients (nothing to
+apply: the optimizer's own loop and its pre-hooks) with nebulite's barrier installed and
+nothing pending, beside the same step after shutdown() removed it.
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import torch  # noqa: E402
 from suite import dcp_async, workloads  # noqa: E402
 
 SMOKE = ["syn-tiny", "gpt2-tiny"]
+STEPS = 50  # optimizer steps per rep of the barrier's cost
 DEFAULT = ["gpt2-124m", "syn-256m"]
 
 
@@ -64,9 +68,27 @@ def bench_nebulite(state: dict[str, Any], opt: torch.optim.Optimizer, d: str,
             nm.flush_persistence()
             if i:
                 out.append({"blocking_s": t1 - t0, "staged_s": t2 - t0})
-        return out
+        hooked = _step_times(opt, STEPS)
     finally:
         nm.shutdown()
+    plain = _step_times(opt, STEPS)
+    for run, with_hook, without in zip(out, hooked, plain):
+        run["step_hooked_s"], run["step_plain_s"] = with_hook, without
+    return out
+
+
+def _step_times(opt: torch.optim.Optimizer, n: int) -> list[float]:
+    """Medians of n optimizer steps without gradients (the step changes nothing; what is left
+    is the optimizer's own loop and the pre-hooks), one per rep."""
+    out = []
+    for _ in range(5):
+        times = []
+        for _ in range(n):
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+        out.append(statistics.median(times))
+    return out
 
 
 def _median(runs: list[dict[str, float]], key: str) -> float:
@@ -107,6 +129,12 @@ def main() -> None:
         r["blocking_ratio"] = neb_b / dcp_b if dcp_b > 0 else float("inf")
         print(f"{name:<12} {r['bytes'] / 2**20:7.1f} {r['tensors']:7d} | {dcp_b:11.4f}s "
               f"{neb_b:8.4f}s {r['blocking_ratio']:6.3f}                 | {dcp_s:9.4f}s {neb_s:8.4f}s")
+    print("\noptimizer step without gradients (what async_staging adds to every step: its "
+          "barrier with nothing pending)")
+    print(f"{'workload':<12} {'no hook':>9} {'async_staging':>14} {'added':>9}")
+    for name, r in results.items():
+        plain, hooked = _median(r["nebulite"], "step_plain_s"), _median(r["nebulite"], "step_hooked_s")
+        print(f"{name:<12} {plain * 1e3:7.3f}ms {hooked * 1e3:12.3f}ms {(hooked - plain) * 1e3:7.3f}ms")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -249,6 +249,62 @@ def test_safe_storages_are_known_by_identity_not_by_id(store):
     assert not flatten({"buffer": buffer}, tag="t", name="b", rank=0, version="v").deferred
 
 
+def _registered(t: torch.Tensor) -> bool:
+    ref = _staging._safe_storages.get(id(t.untyped_storage()))
+    return ref is not None and ref() is t.untyped_storage()
+
+
+def test_the_safe_storages_follow_what_the_optimizer_manages(store):
+    """Each step's pre-hook registers the storages of the optimizer's parameters and of its
+    tensor state, keeps the entries it has (the same weak references), and adds the new
+    storage of a parameter given one; empty state tensors and other devices' tensors are
+    not registered."""
+    nm.init(persistent_storage_path=store, async_staging=True)
+    p = torch.nn.Parameter(torch.zeros(64))
+    q = torch.nn.Parameter(torch.zeros(8))
+    meta = torch.nn.Parameter(torch.zeros(8, device="meta"))
+    opt = torch.optim.SGD([{"params": [p]}, {"params": (q, meta)}], lr=0.1, momentum=0.9)
+    p.grad, q.grad = torch.ones_like(p), torch.ones_like(q)
+    opt.step()  # registers the parameters; the momentum buffers made by this step come next
+    assert _registered(p) and _registered(q) and not _registered(meta)
+    momentum = opt.state[p]["momentum_buffer"]
+    assert not _registered(momentum)
+    opt.state[p]["empty"] = torch.zeros(0)
+    opt.state[p]["count"] = 3
+    opt.step()
+    assert _registered(momentum) and not _registered(opt.state[p]["empty"])
+    refs = dict(_staging._safe_storages)
+    opt.step()
+    assert all(_staging._safe_storages[k] is ref for k, ref in refs.items())
+    old = p.untyped_storage()
+    p.data = torch.ones(64)
+    assert not _registered(p)
+    opt.step()
+    assert _registered(p) and _staging.deferrable(old, old.nbytes())  # the old one still lives
+
+
+def test_an_optimizer_over_a_tensor_without_storage_steps(store):
+    """A sparse parameter has no storage to defer: the step goes on, and its saves copy it
+    before save() returns."""
+    nm.init(persistent_storage_path=store, async_staging=True)
+    dense = torch.nn.Parameter(torch.zeros(16))
+    sparse = torch.nn.Parameter(
+        torch.sparse_coo_tensor(torch.tensor([[0, 3]]), torch.tensor([1.0, 2.0]), (16,),
+                                check_invariants=True))
+    opt = torch.optim.SGD([dense, sparse], lr=0.5)
+    for _ in range(2):
+        dense.grad = torch.ones_like(dense)
+        opt.step()
+    assert _registered(dense)
+    ckpt = nm.Checkpoint("a")
+    ckpt.save("state", {"dense": dense, "sparse": sparse})
+    dense.grad = torch.ones_like(dense)
+    opt.step()
+    got = nm.get_checkpoint(tag="a").load("state")
+    assert torch.equal(got["dense"], torch.full((16,), -1.0))
+    assert torch.equal(got["sparse"].to_dense(), sparse.detach().to_dense())
+
+
 def _walked_on(monkeypatch) -> set[int]:
     """The threads that walk saved objects from now on."""
     from nebulite import _plan

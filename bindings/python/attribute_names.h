@@ -1,5 +1,5 @@
-// The attribute names the extension reads of torch's Python objects (nebulite._core.walk
-// and nebulite._core.scan), interned once, under the GIL.
+// The attribute names the extension reads of torch's Python objects (nebulite._core.walk,
+// nebulite._core.scan and nebulite._core.unregistered_storages), interned once, under the GIL.
 #pragma once
 
 #include <Python.h>
@@ -30,6 +30,9 @@ struct Names {
   PyObject* copy = PyUnicode_InternFromString("copy");
   PyObject* again = PyUnicode_InternFromString("again");
   PyObject* data_ptr = PyUnicode_InternFromString("data_ptr");
+  PyObject* params = PyUnicode_InternFromString("params");
+  PyObject* values = PyUnicode_InternFromString("values");
+  PyObject* numel = PyUnicode_InternFromString("numel");
 };
 
 inline const Names& N() {

@@ -16,6 +16,7 @@
 
 #include "attribute_names.h"
 #include "status_binding.h"
+#include "weak_refs.h"
 
 namespace nb = nanobind;
 
@@ -98,22 +99,6 @@ class Scanner {
   nb::object Call(PyObject* x, PyObject* name) {
     return nb::steal(Check(PyObject_CallMethodNoArgs(x, name)));
   }
-  // True if `ref` (borrowed, may be null) is a weak reference to `target`.
-  static bool Refers(PyObject* ref, PyObject* target) {
-    if (ref == nullptr) {
-      if (PyErr_Occurred()) throw nb::python_error();
-      return false;
-    }
-    if (!PyWeakref_Check(ref)) return false;
-#if PY_VERSION_HEX >= 0x030D0000
-    PyObject* obj = nullptr;
-    if (PyWeakref_GetRef(ref, &obj) < 0) throw nb::python_error();
-    Py_XDECREF(obj);  // only compared: `target` keeps it alive if it is the same
-    return obj == target;
-#else
-    return PyWeakref_GET_OBJECT(ref) == target;
-#endif
-  }
   // True if `x` has attributes of its own (without making the empty __dict__ that reading
   // `__dict__` makes for an object that has none).
   bool HasAttributes(PyObject* x) {
@@ -144,8 +129,7 @@ class Scanner {
       Ok(PyList_Append(storages_out_.ptr(), s.ptr()));  // keeps it alive: its address is its key
       // Safe storages are known by identity: an entry of `safe` under the storage's id
       // whose weak reference is to this very storage.
-      nb::object id = nb::steal(Check(PyLong_FromVoidPtr(s.ptr())));
-      const bool safe = Refers(PyDict_GetItemWithError(safe_, id.ptr()), s.ptr());
+      const bool safe = Registered(safe_, s.ptr());
       const uint64_t nbytes = Unsigned(Call(s.ptr(), n.nbytes));
       storage_bytes_ += nbytes;
       safe_flags_.push_back(safe ? 1 : 0);

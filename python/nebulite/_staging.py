@@ -62,9 +62,10 @@ _waiter: Callable[[], None] | None = None
 #: safe storage, however small, is one copy fewer on the caller's thread (a GPT-2 state has
 #: hundreds of small biases, norms and ``step`` counters).
 MIN_DEFERRED_BYTES = 0
-#: Where deferred storages may be: host memory (copied by the engine after save()
-#: returns) and CUDA devices (copied by DMA, see nebulite._device).
-_DEVICES = ("cpu", "cuda")
+#: Where deferred storages may be, as the tensor attributes that say so: host memory
+#: (copied by the engine after save() returns) and CUDA devices (copied by DMA, see
+#: nebulite._device).
+_DEVICE_FLAGS = ("is_cpu", "is_cuda")
 #: How deep the key paths of a saved object are followed to find its tensors.
 _MAX_DEPTH = 64
 #: The most bytes of storages outside the optimizers' that a save copies on the caller's
@@ -76,18 +77,11 @@ _ATOMS = (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_form
 
 
 def _remember(optimizer: torch.optim.Optimizer) -> None:
-    storages = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            if isinstance(p, torch.Tensor) and p.device.type in _DEVICES:
-                storages.append(p.untyped_storage())
-    for state in optimizer.state.values():
-        if isinstance(state, dict):
-            for v in state.values():
-                if isinstance(v, torch.Tensor) and v.device.type in _DEVICES and v.numel() > 0:
-                    storages.append(v.untyped_storage())
+    """Registers the storages of `optimizer`'s parameters and tensor state that are not yet
+    (it runs before every step: the extension reads one attribute per known tensor)."""
     with _lock:
-        for storage in storages:
+        for storage in _core.unregistered_storages(optimizer.param_groups, optimizer.state,
+                                                   torch.Tensor, _safe_storages, _DEVICE_FLAGS):
             key = id(storage)
             ref = _safe_storages.get(key)
             if ref is None or ref() is not storage:
