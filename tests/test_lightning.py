@@ -92,11 +92,18 @@ def _history(store: str) -> list[str]:
 # -- fit with the callback --------------------------------------------------------------
 
 
-def test_callback_saves_through_nebulite_and_keeps_what_modelcheckpoint_keeps(tmp_path, store):
+@pytest.mark.parametrize("async_staging", [False, True], ids=["copied_at_save", "async_staging"])
+def test_callback_saves_through_nebulite_and_keeps_what_modelcheckpoint_keeps(tmp_path, store, monkeypatch,
+                                                                              async_staging):
+    """Every path names the version its latest save wrote, with asynchronous staging too
+    (where the commit waits for the next optimizer step, or for the end of training)."""
+    monkeypatch.setenv("NEBULITE_ASYNC_STAGING", "1" if async_staging else "0")
     ckpt_dir = tmp_path / "ckpts"
     callback = _callback(ckpt_dir, store, monitor="val_loss", save_top_k=2)
     trainer = _trainer(tmp_path, 8, [callback], [NebulaCheckpointIO()], val_check_interval=2, limit_val_batches=1)
-    trainer.fit(TinyModule(), loader(), loader())
+    module = TinyModule()
+    trainer.fit(module, loader(), loader())
+    assert nebulite.api._config().async_staging is async_staging
 
     kept = sorted(callback.best_k_models) + [callback.last_model_path]
     assert len(kept) == 3 and callback.best_model_path in kept
@@ -107,6 +114,10 @@ def test_callback_saves_through_nebulite_and_keeps_what_modelcheckpoint_keeps(tm
     rows = _history(store)
     for tag, version in versions:
         assert any(f",{tag}," in r and version in r and "committed" in r for r in rows), tag
+    last = torch.load(callback.last_model_path, weights_only=True)  # saved after the last step
+    assert last["global_step"] == 8
+    for name, t in module.state_dict().items():
+        assert torch.equal(last["state_dict"][name], t), name
     best = torch.load(callback.best_model_path, weights_only=True)
     assert best["callbacks"]  # the callback's own state travels in the checkpoint
     assert torch.equal(best["state_dict"]["layer.weight"],

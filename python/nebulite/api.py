@@ -687,6 +687,8 @@ class Checkpoint:
         self.tag = tag
         self.num_files = num_files
         self._committed = _committed  # tag, version, seq, tier, root, names
+        # The version this handle committed (its commit may wait for asynchronous staging).
+        self._written: str | None = None
 
     def __repr__(self) -> str:
         if self._committed:
@@ -846,6 +848,7 @@ class Checkpoint:
             s.placeholders.committed(self.tag, v.version, s.rank)
         if persist:
             s.last_persist = now
+        self._written = v.version
         del s.open[self.tag]
         s.stager.start()  # the rest of its asynchronous saves (see nebulite._stager)
         return True

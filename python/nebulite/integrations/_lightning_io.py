@@ -336,8 +336,9 @@ class NebulaCheckpointIOMixin:
         # The memory tier keeps only the newest of the checkpoints not being persisted: what
         # other paths name must reach the store before this save can push it out of memory.
         api._persist_versions(self._newest_pending(but=key))
-        api.Checkpoint(tag, num_files=1).save(CHECKPOINT_NAME, checkpoint)
-        saved = self._just_committed(tag)
+        handle = api.Checkpoint(tag, num_files=1)
+        handle.save(CHECKPOINT_NAME, checkpoint)
+        saved = self._written(handle)
         if is_best:
             api._persist_versions([(tag, saved.version)])
             self.best_path = key
@@ -450,18 +451,14 @@ class NebulaCheckpointIOMixin:
                 "nebulite.init(..., rank=0, world_size=1), or through NebulaCallback(config_params=...)."
             )
 
-    def _just_committed(self, tag: str) -> _Version:
+    @staticmethod
+    def _written(handle: api.Checkpoint) -> _Version:
+        """The version `handle` committed: in memory, or (with asynchronous staging) once
+        the next optimizer step or nebulite call finds its copies landed."""
         config = api._config()
         root = config.persistent_storage_path if config else None
-        session = api._session
-        assert session is not None
-        mine = [v for v in session.engine.versions()
-                if v["tag"] == tag and v["version"].startswith(f"v{session.run_id}-")]
-        if mine:
-            version = max(mine, key=lambda v: v["seq"])["version"]
-        else:  # already gone from the engine's list: ask the catalog
-            version = api.get_checkpoint(tag=tag).version or ""
-        return _Version(root or "", tag, version)
+        assert handle._written is not None
+        return _Version(root or "", handle.tag, handle._written)
 
     def _warn_memory_only(self) -> None:
         if not self._warned_memory_only:
