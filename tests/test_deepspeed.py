@@ -7,7 +7,8 @@ history in the persistent path, and DeepSpeed's own files in save_dir being empt
 (``torch.save("", path)``), so that whatever a resumed engine loaded came from nebulite.
 
 The training runs are real DeepSpeed engines on the CPU (gloo), one process per rank
-(tests/workers/deepspeed_worker.py), for ZeRO stages 0, 1, 2 and 3 with 1 and 2 ranks.
+(tests/workers/deepspeed_worker.py), for ZeRO stages 0, 1, 2 and 3 with 1 and 2 ranks, and
+with 2 ranks again with nebulite's asynchronous staging (NEBULITE_ASYNC_STAGING=1).
 """
 
 from __future__ import annotations
@@ -178,6 +179,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     azure_store_after_save, azure_resume."""
     work = {w: tmp_path_factory.mktemp(f"ds{w}") for w in (1, 2)}
     env = _child_env()
+    # The same two-rank run with nebulite's asynchronous staging turned on the way a
+    # DeepSpeed user turns it on (DeepSpeed calls init() itself): by the environment.
+    work_async = tmp_path_factory.mktemp("ds2async")
+    async_env = _child_env(NEBULITE_ASYNC_STAGING="1")
     # Azure's pattern runs as users run it: with the node agent, init()'s default. The agent
     # outlives the first process, so the second one finds the checkpoints kept in memory.
     # Between the two, this fixture does other work for as long as the machine's load makes
@@ -186,23 +191,27 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     agent_env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime, NEBULITE_AGENT_IDLE_EXIT="86400")
     try:
         saved = _run(("save", work[1], 1, env), ("save", work[2], 2, env),
-                     ("azure_save", work[1], 1, agent_env))
+                     ("azure_save", work[1], 1, agent_env), ("save", work_async, 2, async_env))
         azure_store = work[1] / "azure" / "checkpoints"
         run: dict[str, Any] = {"work": work, "saved": dict(zip((1, 2), saved)),
                                "azure_save": saved[2][0]["azure_save"],
                                "azure_store_after_save": _store_snapshot(azure_store),
-                               "stores_after_save": {}, "ds_files": {}, "history": {}}
+                               "stores_after_save": {}, "ds_files": {}, "history": {},
+                               "async_saved": saved[3]}
+        run["async_stores_after_save"] = {s: _store_snapshot(work_async / f"z{s}" / "nebula") for s in STAGES}
+        _export_with_the_docs_recipe(work_async / "z1" / "nebula", work_async / "export", env)
         for w in (1, 2):
             run["stores_after_save"][w] = {s: _store_snapshot(work[w] / f"z{s}" / "nebula") for s in STAGES}
             run["history"][w] = {s: _history(work[w] / f"z{s}" / "nebula") for s in STAGES}
             run["ds_files"][w] = {s: _ds_files(work[w] / f"z{s}" / "ds") for s in STAGES}
             _export_with_the_docs_recipe(work[w] / "z1" / "nebula", work[w] / "export", env)
         resumed = _run(("resume", work[1], 1, env), ("resume", work[2], 2, env),
-                       ("azure_resume", work[1], 1, agent_env))
+                       ("azure_resume", work[1], 1, agent_env), ("resume", work_async, 2, async_env))
     finally:
         remove_runtime_dir(runtime)
     run["resumed"] = dict(zip((1, 2), resumed))
     run["azure_resume"] = resumed[2][0]["azure_resume"]
+    run["async_resumed"] = resumed[3]
     return run
 
 
@@ -305,6 +314,28 @@ def test_resume_from_an_explicit_tag_is_bit_identical(runs):
         for stage in STAGES:
             got = r["resume"][f"z{stage}"]
             assert got["explicit"] == [f"global_step4/{_model_file(stage, rank)}", "ok"], (world, rank, stage, got)
+
+
+def test_with_async_staging_checkpoints_hold_the_state_at_save_time(runs):
+    """With NEBULITE_ASYNC_STAGING=1, DeepSpeed trains on right after save_checkpoint()
+    returns while nebulite copies the optimizer's storages; each ZeRO stage's checkpoints
+    are committed on both ranks and load bit-identical to the state at save time."""
+    for r in runs["async_saved"]:
+        for stage in STAGES:
+            got = r["save"][f"z{stage}"]
+            assert got["async_staging"] is True, (r["rank"], stage)
+            assert got["safe_storages"] > 0, (r["rank"], stage)  # the optimizer's, deferred
+    for stage in STAGES:
+        held = runs["async_stores_after_save"][stage]
+        assert sorted(held) == ["global_step4", "global_step6"], (stage, held)
+        for tag, entry in held.items():
+            assert entry["names"] == _expected_names(stage, 2), (stage, tag, entry)
+    for r in runs["async_resumed"]:
+        rank = r["rank"]
+        for stage in STAGES:
+            got = r["resume"][f"z{stage}"]
+            assert got["latest"] == [f"global_step6/{_model_file(stage, rank)}", "ok"], (rank, stage, got)
+            assert got["explicit"] == [f"global_step4/{_model_file(stage, rank)}", "ok"], (rank, stage, got)
 
 
 def test_a_tag_retention_removed_loads_the_latest(runs):

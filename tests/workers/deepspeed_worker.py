@@ -207,6 +207,10 @@ class Rank:
                                  for n in sorted(os.listdir(tag_dir))}
             if stage == 3:
                 r["zero_to_fp32"] = self.zero_to_fp32(base)
+            config = nebulite.api._config()
+            r["async_staging"] = bool(config and config.async_staging)
+            # What asynchronous staging learnt from the optimizers' steps, and defers.
+            r["safe_storages"] = len(nebulite._staging._safe_storages)
             out[f"z{stage}"] = r
         # A checkpoint written without Nebula, for enable_nebula_load: false.
         base = os.path.join(self.workdir, "plain")
