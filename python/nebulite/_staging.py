@@ -77,8 +77,9 @@ _ATOMS = (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_form
 
 
 def _remember(optimizer: torch.optim.Optimizer) -> None:
-    """Registers the storages of `optimizer`'s parameters and tensor state that are not yet
-    (it runs before every step: the extension reads one attribute per known tensor)."""
+    """Registers the storages of `optimizer`'s parameters and tensor state that are not
+    registered yet. It runs before every step, so the walk is the extension's: one
+    attribute read per tensor whose storage is registered."""
     with _lock:
         for storage in _core.unregistered_storages(optimizer.param_groups, optimizer.state,
                                                    torch.Tensor, _safe_storages, _DEVICE_FLAGS):
