@@ -186,6 +186,7 @@ class Rank:
 
     def save(self) -> dict[str, Any]:
         import torch
+        import torch.distributed as dist
         import torch_nebula
 
         import nebulite
@@ -205,6 +206,9 @@ class Rank:
             tag_dir = os.path.join(base, "ds", "global_step6")
             r["placeholders"] = {n: torch.load(os.path.join(tag_dir, n), weights_only=True)
                                  for n in sorted(os.listdir(tag_dir))}
+            # Every rank has read every rank's placeholders before any rank goes on to what
+            # replaces its own (zero_to_fp32's flush_persistence, the next stage's init).
+            dist.barrier()
             if stage == 3:
                 r["zero_to_fp32"] = self.zero_to_fp32(base)
             config = nebulite.api._config()
