@@ -7,6 +7,7 @@
 #include <nanobind/nanobind.h>
 
 #include "attribute_names.h"
+#include "python_calls.h"
 #include "status_binding.h"
 #include "weak_refs.h"
 
@@ -51,7 +52,6 @@ class Finder {
       return;
     }
     if (PyList_CheckExact(items) || PyTuple_CheckExact(items)) {
-      nb::object seq = nb::borrow(items);
       for (Py_ssize_t i = 0; i < PySequence_Fast_GET_SIZE(items); ++i) {
         nb::object held = nb::borrow(PySequence_Fast_GET_ITEM(items, i));
         f(held.ptr());
@@ -65,12 +65,6 @@ class Finder {
       f(item);
     }
     if (PyErr_Occurred()) throw nb::python_error();
-  }
-
-  static nb::object Call(PyObject* x, PyObject* name) {
-    PyObject* r = PyObject_CallMethodNoArgs(x, name);
-    if (r == nullptr) throw nb::python_error();
-    return nb::steal(r);
   }
 
   void Tensor(PyObject* x, bool state) {
@@ -90,22 +84,14 @@ class Finder {
     nb::object storage = nb::steal(s);
     if (Registered(safe_, s)) return;  // the common case, from the second step on
     if (!OnDevice(x)) return;
-    if (state) {
-      nb::object numel = Call(x, n.numel);
-      const int empty = PyObject_Not(numel.ptr());
-      if (empty < 0) throw nb::python_error();
-      if (empty) return;
-    }
+    if (state && !Truthy(Call(x, n.numel))) return;  // an empty tensor
     if (PyList_Append(out_.ptr(), s) != 0) throw nb::python_error();
   }
 
   // True if one of the device flags (`is_cpu`, ...) of `x` is set.
   bool OnDevice(PyObject* x) {
-    for (nb::handle flag : device_flags_) {
-      nb::object set = nb::steal(PyObject_GetAttr(x, flag.ptr()));
-      if (!set.is_valid()) throw nb::python_error();
-      if (set.ptr() == Py_True) return true;
-    }
+    for (nb::handle flag : device_flags_)
+      if (Attr(x, flag.ptr()).ptr() == Py_True) return true;
     return false;
   }
 

@@ -11,30 +11,13 @@
 #include <vector>
 
 #include "attribute_names.h"
+#include "python_calls.h"
 #include "status_binding.h"
 
 namespace nb = nanobind;
 
 namespace nebulite::python {
 namespace {
-
-nb::object Attr(PyObject* x, PyObject* name) {
-  PyObject* r = PyObject_GetAttr(x, name);
-  if (r == nullptr) throw nb::python_error();
-  return nb::steal(r);
-}
-
-nb::object Call(PyObject* x, PyObject* name) {
-  PyObject* r = PyObject_CallMethodNoArgs(x, name);
-  if (r == nullptr) throw nb::python_error();
-  return nb::steal(r);
-}
-
-bool Truthy(const nb::object& o) {
-  int t = PyObject_IsTrue(o.ptr());
-  if (t < 0) throw nb::python_error();
-  return t != 0;
-}
 
 class Walker {
  public:
