@@ -68,20 +68,20 @@ def bench_nebulite(state: dict[str, Any], opt: torch.optim.Optimizer, d: str,
             nm.flush_persistence()
             if i:
                 out.append({"blocking_s": t1 - t0, "staged_s": t2 - t0})
-        hooked = _step_times(opt, STEPS)
+        hooked = _step_times(opt, STEPS, len(out))
     finally:
         nm.shutdown()
-    plain = _step_times(opt, STEPS)
+    plain = _step_times(opt, STEPS, len(out))
     for run, with_hook, without in zip(out, hooked, plain):
         run["step_hooked_s"], run["step_plain_s"] = with_hook, without
     return out
 
 
-def _step_times(opt: torch.optim.Optimizer, n: int) -> list[float]:
+def _step_times(opt: torch.optim.Optimizer, n: int, reps: int) -> list[float]:
     """Medians of n optimizer steps without gradients (the step changes nothing; what is left
     is the optimizer's own loop and the pre-hooks), one per rep."""
     out = []
-    for _ in range(5):
+    for _ in range(reps):
         times = []
         for _ in range(n):
             t0 = time.perf_counter()
