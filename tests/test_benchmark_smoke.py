@@ -135,6 +135,17 @@ def test_profile_scan_smoke() -> None:
     assert "save() blocking" in result.stdout
 
 
+def test_profile_device_host_smoke() -> None:
+    result = _run([str(BENCH / "profile_device_host.py"), "--tensors", "4", "--numel", "256",
+                   "--reps", "2", "--warmup", "1", "--profile"])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    for mode in ("blocking", "async"):  # a host time per save in each mode, and its profile
+        row = next(line.split() for line in result.stdout.splitlines()
+                   if line.split()[:1] == [mode])
+        assert float(row[1]) > 0 and row[2] == "ms"
+    assert result.stdout.count("function calls") == 2
+
+
 def _emulator_alive(pid: int) -> bool:
     """Whether `pid` is still an emulator process (not one that took the number since)."""
     try:

@@ -237,6 +237,34 @@ def test_the_sealer_runs_jobs_in_order_after_their_copies_and_keeps_errors():
     assert host.tolist() == [1, 1, 1]
 
 
+def _sealer_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name == "nebulite-device-sealer"]
+
+
+def test_the_sealer_keeps_its_thread_for_the_next_job_until_drained():
+    fake = FakeDevice()
+    sealer = _device.Sealer()
+    ran_on: list[threading.Thread] = []
+
+    def seal_one() -> None:
+        copies = _device.DeviceCopies(fake)
+        copies.finish()
+        job = sealer.submit(copies, lambda: ran_on.append(threading.current_thread()))
+        assert job.done.wait(HANG)
+
+    seal_one()
+    seal_one()
+    assert ran_on[0] is ran_on[1], "the second job started a thread of its own"
+    sealer.drain(stop=False)
+    assert ran_on[0].is_alive() and _sealer_threads() == [ran_on[0]]
+    sealer.drain()
+    assert not ran_on[0].is_alive() and not _sealer_threads()
+    seal_one()  # a job after the stop starts a thread again
+    assert ran_on[2] is not ran_on[0]
+    sealer.drain()
+    assert not _sealer_threads()
+
+
 @pytest.fixture
 def fake_device(monkeypatch) -> FakeDevice:
     """Saves copy every storage as if it were on a device, through a FakeDevice."""
@@ -315,6 +343,22 @@ def test_async_staging_orders_the_step_after_the_copies_and_commits_once_they_la
     for k, t in expected.items():
         assert torch.equal(model_got[k], t), k
     assert torch.equal(got.load("optimizer")["state"][0]["exp_avg"], expected_opt)
+
+
+def test_the_sealer_thread_outlives_the_optimizer_barrier_but_no_other_call(
+        store, fake_device):
+    nm.init(persistent_storage_path=store, async_staging=True, num_of_version_in_retention=0)
+    model, opt = _model()
+    _step(model, opt)
+    nm.Checkpoint("a", 1).save("model", model.state_dict())
+    _step(model, opt)  # the barrier: the next save finds the thread there
+    sealers = _sealer_threads()
+    assert len(sealers) == 1
+    nm.Checkpoint("b", 1).save("model", model.state_dict())
+    _step(model, opt)
+    assert _sealer_threads() == sealers, "a save started another sealer thread"
+    assert nm.get_checkpoint(tag="b").tag == "b"  # any other call waits for it, and it ends
+    assert not _sealer_threads() and not sealers[0].is_alive()
 
 
 def test_a_save_waiting_for_memory_that_copies_still_landing_hold_goes_on(

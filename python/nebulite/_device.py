@@ -230,8 +230,10 @@ class Sealer:
     sealing it), in submission order; each job's copies have landed when it is done.
 
     Lifecycle: ``submit()`` any number of times; ``wait(job)`` or ``drain()`` from any
-    thread; a job's error is kept on it. The thread ends when nothing is queued (the next
-    submit starts another). Thread-safe."""
+    thread; a job's error is kept on it. The thread stays once its jobs are done, for the
+    next save (starting a thread costs the saving thread a tenth of a millisecond or
+    more), until ``drain()`` stops it: the optimizer's barrier keeps it, as it keeps the
+    staging thread (nebulite._stager). Thread-safe."""
 
     class Job:
         def __init__(self, copies: DeviceCopies, then: Callable[[], None]) -> None:
@@ -244,23 +246,28 @@ class Sealer:
         self._cv = threading.Condition()
         self._jobs: list[Sealer.Job] = []
         self._thread: threading.Thread | None = None
+        self._stop = False
 
     def submit(self, copies: DeviceCopies, then: Callable[[], None]) -> "Sealer.Job":
         job = Sealer.Job(copies, then)
         with self._cv:
             self._jobs.append(job)
-            if self._thread is None:
-                self._thread = threading.Thread(target=self._run, name="nebulite-device-sealer",
-                                                daemon=True)
-                self._thread.start()
+            self._start_locked()
+            self._cv.notify_all()
         return job
+
+    def _start_locked(self) -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="nebulite-device-sealer",
+                                            daemon=True)
+            self._thread.start()
 
     def _run(self) -> None:
         while True:
             with self._cv:
+                while not self._jobs and not self._stop:
+                    self._cv.wait()
                 if not self._jobs:
-                    self._thread = None
-                    self._cv.notify_all()
                     return
                 job = self._jobs[0]
             try:
@@ -274,11 +281,21 @@ class Sealer:
                 job.done.set()
                 self._cv.notify_all()
 
-    def drain(self) -> None:
-        """Waits until every submitted job ran."""
+    def drain(self, stop: bool = True) -> None:
+        """Waits until every submitted job ran; with `stop`, until the thread ended too."""
         with self._cv:
             while self._jobs:
                 self._cv.wait()
+            if not stop:
+                return
+            thread, self._stop = self._thread, True
+            self._cv.notify_all()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join()
+        with self._cv:
+            self._thread, self._stop = None, False
+            if self._jobs:  # submitted while the thread was ending
+                self._start_locked()
 
 
 def stage(engine: Any, tag: str, version: str, name: str, records: Any, persist_now: bool,
@@ -305,7 +322,7 @@ def stage(engine: Any, tag: str, version: str, name: str, records: Any, persist_
     try:
         arena_offset, nbytes, placed = engine.reserve(tag, version, name, specs, wait=False)
     except MemoryBudgetError:
-        sealer.drain()
+        sealer.drain(stop=False)
         arena_offset, nbytes, placed = engine.reserve(tag, version, name, specs)
     image = int(engine.arena_address) + int(arena_offset)
     view = host_view(image, int(nbytes))  # the object's image in the arena

@@ -336,6 +336,7 @@ class _Session:
             self.replace_placeholders(gone=True)
         finally:
             self.stager.close()
+            self.sealer.drain()
             if self._run_lock is not None:
                 self._run_lock.release()
                 self._run_lock = None
@@ -375,6 +376,8 @@ class _Session:
         never committed, and a TornCheckpointError waits in staging_errors for the next
         call), commits the others whose commit waited, and lets the sources go."""
         if not self.pending and not self.held_commits:
+            if not on_device:
+                self.sealer.drain()  # its thread, kept across the optimizer's barriers, ends
             return
         pending, self.pending = self.pending, []
         held, self.held_commits = self.held_commits, []
@@ -432,6 +435,8 @@ class _Session:
                 self.engine.commit(tag, version, seq, persist)
                 self.placeholders.committed(tag, version, self.rank)
         self.pending = landing + self.pending
+        if not on_device:
+            self.sealer.drain()  # every job is done: its thread ends, as the stager's did
 
     def _finish_scanned(self, pending: list[tuple[str, str, str, Any]],
                         torn: dict[tuple[str, str], str],
