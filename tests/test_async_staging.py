@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import nebulite as nm
-from nebulite import _staging
+from nebulite import _core, _staging
 from nebulite._serialization import flatten
 
 
@@ -215,31 +215,29 @@ def test_a_freed_storage_whose_address_is_reused_is_not_deferred(store):
 
 
 def test_safe_storages_are_known_by_identity_not_by_id(store):
-    """The registry of safe storages is keyed by id(storage): a freed storage's entry goes
-    with it, and an entry whose weak reference is to another storage than the one that has
-    its id now never makes that one safe (neither for the scan nor for the walk)."""
+    """The registry of safe storages drops a storage's entry when the storage goes, before
+    its address can be another's; a storage it does not hold is not safe (neither for the
+    scan nor for the walk)."""
     import gc
-    import weakref
 
     nm.init(persistent_storage_path=store, async_staging=True)
     p = torch.nn.Parameter(torch.zeros(1024))
     opt = torch.optim.SGD([p], lr=0.1)
     p.grad = torch.ones_like(p)
     opt.step()
-    key = id(p.untyped_storage())
     assert _staging.deferrable(p.untyped_storage(), p.nbytes)
-    assert key in _staging._safe_storages
+    assert p.untyped_storage() in _staging._safe_storages
+    assert len(_staging._safe_storages) == 1
     del p, opt
     gc.collect()
-    assert key not in _staging._safe_storages  # the storage's entry left with it
+    assert len(_staging._safe_storages) == 0  # the storage's entry left with it
 
-    # A stale entry: the id of a live storage, pointing at another storage.
     other = torch.nn.Parameter(torch.zeros(1024))
     opt = torch.optim.SGD([other], lr=0.1)
     other.grad = torch.ones_like(other)
     opt.step()  # something is safe, so saves are scanned
     buffer = torch.ones(1024)
-    _staging._safe_storages[id(buffer.untyped_storage())] = weakref.ref(other.untyped_storage())
+    assert buffer.untyped_storage() not in _staging._safe_storages
     assert not _staging.deferrable(buffer.untyped_storage(), buffer.nbytes)
     scanned = _staging.scan({"buffer": buffer, "other": other.detach()})
     assert scanned is not None
@@ -249,9 +247,39 @@ def test_safe_storages_are_known_by_identity_not_by_id(store):
     assert not flatten({"buffer": buffer}, tag="t", name="b", rank=0, version="v").deferred
 
 
+def test_the_safe_storages_registry_keeps_many_entries_and_drops_each(store):
+    """Entries come and go in any order (the table grows and moves entries back as others
+    leave): every live registered storage is found, and no freed one is."""
+    import gc
+    import random
+
+    registry = _core.SafeStorages()
+    tensors = [torch.zeros(4) for _ in range(3000)]
+    for t in tensors:
+        registry.remember([{"params": [t]}], {}, torch.Tensor)
+    del t
+    assert len(registry) == len(tensors)
+    rng = random.Random(0)
+    order = list(range(len(tensors)))
+    rng.shuffle(order)
+    for i in order[:2000]:
+        tensors[i] = None
+    gc.collect()
+    assert len(registry) == 1000
+    assert all(t.untyped_storage() in registry for t in tensors if t is not None)
+    fresh = [torch.zeros(4) for _ in range(3000)]
+    assert not any(t.untyped_storage() in registry for t in fresh)
+    registry.remember([{"params": fresh[:500]}], {}, torch.Tensor)
+    assert len(registry) == 1500
+    registry.clear()
+    assert len(registry) == 0
+    del fresh, tensors
+    gc.collect()  # the dropped entries' callbacks do not run
+    assert len(registry) == 0
+
+
 def _registered(t: torch.Tensor) -> bool:
-    ref = _staging._safe_storages.get(id(t.untyped_storage()))
-    return ref is not None and ref() is t.untyped_storage()
+    return t.untyped_storage() in _staging._safe_storages
 
 
 def test_the_safe_storages_follow_what_the_optimizer_manages(store):
@@ -273,9 +301,9 @@ def test_the_safe_storages_follow_what_the_optimizer_manages(store):
     opt.state[p]["count"] = 3
     opt.step()
     assert _registered(momentum) and not _registered(opt.state[p]["empty"])
-    refs = dict(_staging._safe_storages)
+    known = len(_staging._safe_storages)
     opt.step()
-    assert all(_staging._safe_storages[k] is ref for k, ref in refs.items())
+    assert len(_staging._safe_storages) == known
     old = p.untyped_storage()
     p.data = torch.ones(64)
     assert not _registered(p)

@@ -1,5 +1,5 @@
 // The attribute names the extension reads of torch's Python objects (nebulite._core.walk,
-// nebulite._core.scan and nebulite._core.unregistered_storages), interned once, under the GIL.
+// nebulite._core.scan and nebulite._core.SafeStorages.remember), interned once, under the GIL.
 #pragma once
 
 #include <Python.h>

@@ -10,5 +10,5 @@ NB_MODULE(_core, m) {
   nebulite::python::RegisterStorage(m);
   nebulite::python::RegisterWalk(m);
   nebulite::python::RegisterScan(m);
-  nebulite::python::RegisterRemember(m);
+  nebulite::python::RegisterSafeStorages(m);
 }

@@ -1,5 +1,5 @@
 // Reading Python objects through the CPython API, a Python error raised as nb::python_error:
-// what the walk (walk_binding.cc) and the optimizer pre-hook (remember_binding.cc) read.
+// what the walk (walk_binding.cc) and the optimizer pre-hook (safe_storages_binding.cc) read.
 #pragma once
 
 #include <nanobind/nanobind.h>

@@ -10,13 +10,12 @@
 #include <cstdint>
 #include <cstring>
 #include <string>
-#include <unordered_map>
-#include <unordered_set>
 #include <vector>
 
 #include "attribute_names.h"
+#include "pointer_map.h"
+#include "safe_storages.h"
 #include "status_binding.h"
-#include "weak_refs.h"
 
 namespace nb = nanobind;
 
@@ -45,12 +44,12 @@ void Ok(int rc) {
 class Scanner {
  public:
   Scanner(nb::handle tensor, nb::handle parameter, nb::handle ordered_dict, nb::handle atoms,
-          nb::handle safe, int max_depth, uint64_t max_copy_bytes)
+          const SafeStorages& safe, int max_depth, uint64_t max_copy_bytes)
       : tensor_(tensor.ptr()),
         parameter_(parameter.ptr()),
         ordered_dict_(ordered_dict.ptr()),
         atoms_(atoms.ptr()),
-        safe_(safe.ptr()),
+        safe_(safe),
         max_depth_(max_depth),
         max_copy_bytes_(max_copy_bytes) {}
 
@@ -119,17 +118,18 @@ class Scanner {
 
   void Tensor(PyObject* x) {
     const Names& n = N();
-    if (Attr(x, n.is_cpu).ptr() != Py_True) throw NotScannable{};  // a device's: its own path
     // Attributes of its own are pickled with it (torch's reduction): not seen here.
     if (HasAttributes(x)) throw NotScannable{};
     nb::object s = Call(x, n.untyped_storage);
-    auto [at, fresh] = index_.try_emplace(s.ptr(), static_cast<uint32_t>(index_.size()));
-    const uint32_t k = at->second;
+    auto [at, fresh] = index_.TryEmplace(s.ptr(), static_cast<uint32_t>(index_.size()));
+    const uint32_t k = *at;
     if (fresh) {
       Ok(PyList_Append(storages_out_.ptr(), s.ptr()));  // keeps it alive: its address is its key
-      // Safe storages are known by identity: an entry of `safe` under the storage's id
-      // whose weak reference is to this very storage.
-      const bool safe = Registered(safe_, s.ptr());
+      // A safe storage's device is known; a device's storage takes the device's path.
+      const uint8_t device = safe_.Find(s.ptr());
+      const bool safe = device != 0;
+      if (device == static_cast<uint8_t>(SafeStorages::Device::kCuda)) throw NotScannable{};
+      if (!safe && Attr(x, n.is_cpu).ptr() != Py_True) throw NotScannable{};
       const uint64_t nbytes = Unsigned(Call(s.ptr(), n.nbytes));
       storage_bytes_ += nbytes;
       safe_flags_.push_back(safe ? 1 : 0);
@@ -156,7 +156,7 @@ class Scanner {
     PyTypeObject* t = Py_TYPE(x);
     PyObject* type = reinterpret_cast<PyObject*>(t);
     if (type == tensor_ || type == parameter_) {
-      if (tensors_.insert(x).second) Tensor(x);
+      if (tensors_.TryEmplace(x, true).second) Tensor(x);
       return nb::borrow(x);
     }
     if (t == &PyUnicode_Type || t == &PyLong_Type || t == &PyBool_Type || x == Py_None ||
@@ -167,8 +167,7 @@ class Scanner {
     const bool is_dict = t == &PyDict_Type, is_odict = type == ordered_dict_;
     const bool is_list = t == &PyList_Type, is_tuple = t == &PyTuple_Type;
     if (!(is_dict || is_odict || is_list || is_tuple) || depth >= max_depth_) throw NotScannable{};
-    auto known = copies_of_.find(x);
-    if (known != copies_of_.end()) return nb::borrow(known->second);
+    if (PyObject* const* known = copies_of_.Find(x)) return nb::borrow(*known);
     if (is_tuple) {
       // Immutable: shared as it is unless an item is a container that needs its copy.
       const Py_ssize_t size = PyTuple_GET_SIZE(x);
@@ -230,7 +229,7 @@ class Scanner {
   }
 
   void Remember(PyObject* x, const nb::object& copy) {
-    copies_of_.emplace(x, copy.ptr());
+    copies_of_.TryEmplace(x, copy.ptr());
     alive_.push_back(nb::borrow(x));  // its address stays its own until the scan ends
     alive_.push_back(copy);
   }
@@ -239,7 +238,7 @@ class Scanner {
   PyObject* const parameter_;
   PyObject* const ordered_dict_;
   PyObject* const atoms_;
-  PyObject* const safe_;
+  const SafeStorages& safe_;
   const int max_depth_;
   const uint64_t max_copy_bytes_;
   uint64_t copy_bytes_ = 0;
@@ -252,10 +251,10 @@ class Scanner {
   nb::list storages_out_;         // each storage met, once
   std::string safe_flags_;        // per storage: 1 if safe (copied later), 0 if copied now
   nb::list layouts_;  // [(tensor, shape, stride, offset)] of tensors on copied storages
-  std::unordered_map<PyObject*, uint32_t> index_;  // storage -> its index
+  PointerMap<uint32_t> index_;  // storage -> its index
   std::vector<Copied> copies_;
-  std::unordered_set<PyObject*> tensors_;  // met already
-  std::unordered_map<PyObject*, PyObject*> copies_of_;
+  PointerMap<bool> tensors_;  // met already
+  PointerMap<PyObject*> copies_of_;  // container -> its copy
   std::vector<nb::object> alive_;
 };
 
@@ -265,15 +264,16 @@ void RegisterScan(nb::module_& m) {
   m.def(
       "scan",
       [](nb::handle obj, nb::handle tensor, nb::handle parameter, nb::handle ordered_dict,
-         nb::tuple atoms, nb::dict safe, int max_depth, uint64_t max_copy_bytes) {
-        return Scanner(tensor, parameter, ordered_dict, atoms, safe, max_depth, max_copy_bytes)
+         nb::tuple atoms, nb::handle safe, int max_depth, uint64_t max_copy_bytes) {
+        return Scanner(tensor, parameter, ordered_dict, atoms, SafeStoragesOf(safe), max_depth,
+                       max_copy_bytes)
             .Run(obj);
       },
       nb::arg("obj").none(), nb::arg("tensor"), nb::arg("parameter"), nb::arg("ordered_dict"),
       nb::arg("atoms"), nb::arg("safe"), nb::arg("max_depth"), nb::arg("max_copy_bytes"),
       "None if `obj` is not made of dicts, OrderedDicts, lists, tuples, immutable values "
       "(`atoms` among them) and plain CPU tensors, or if the storages outside `safe` "
-      "({id(storage): weak reference to it}) hold more than max_copy_bytes; else (copy of "
+      "(a SafeStorages) hold more than max_copy_bytes; else (copy of "
       "obj's containers, [each tensor], [its _version], its storage's index as uint32 "
       "bytes, [each storage], per storage b'\\x01' if safe else b'\\x00', bytearray with the "
       "copied storages' bytes, its address, [(storage index, offset in it, nbytes)], bytes "

@@ -21,6 +21,6 @@ void RegisterEngine(nanobind::module_& m);
 void RegisterStorage(nanobind::module_& m);
 void RegisterWalk(nanobind::module_& m);
 void RegisterScan(nanobind::module_& m);
-void RegisterRemember(nanobind::module_& m);
+void RegisterSafeStorages(nanobind::module_& m);
 
 }  // namespace nebulite::python

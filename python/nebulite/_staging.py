@@ -22,9 +22,11 @@ barrier: the next optimizer step waits for them as it waits for the copies. An o
 is not made of dicts, lists, tuples, immutable values and plain CPU tensors, or whose
 other storages hold more than MAX_COPIED_BYTES, is staged on the caller's thread.
 
-Safe storages are known by identity (weak references to torch's storage objects, which
-torch keeps as long as the storage lives), never by address: an address that a freed
-optimizer state leaves behind may be reused by a buffer that forward changes.
+Safe storages are known by identity, never by address alone: the registry
+(``_core.SafeStorages``) holds a weak reference to each of torch's storage objects (which
+torch keeps as long as the storage lives), and its callback drops the entry when the object
+goes, before its address can be another's: an address that a freed optimizer state leaves
+behind may be reused by a buffer that forward changes.
 
 A save that breaks the contract (a deferred tensor changed in place before the
 barrier: ``with torch.no_grad(): p.add_(1)``, ``t.set_(...)``) is detected at the barrier,
@@ -41,20 +43,16 @@ from __future__ import annotations
 import collections
 import functools
 import threading
-import weakref
 from typing import Any, Callable, Iterator
 
 import torch
 
 from . import _core
 
-_lock = threading.RLock()  # reentrant: a freed storage's callback may run while it is held
-#: The safe storages: id(storage) -> weak reference to it. An entry leaves when its
-#: storage is freed (the reference's callback), so that its id, reused by a later storage,
-#: is not taken for it; lookups still check that the reference is to the storage asked
-#: about. A dict rather than a WeakSet: the scan asks once per tensor, and a lookup by id
-#: costs a tenth of making the weak reference that `storage in WeakSet` makes.
-_safe_storages: dict[int, "weakref.ref[torch.UntypedStorage]"] = {}
+_lock = threading.RLock()
+#: The safe storages, known by identity (see _core.SafeStorages): an entry leaves when its
+#: storage is freed, before its address can be another storage's.
+_safe_storages = _core.SafeStorages()
 _hook_handle: Any = None
 _waiter: Callable[[], None] | None = None
 
@@ -62,10 +60,6 @@ _waiter: Callable[[], None] | None = None
 #: safe storage, however small, is one copy fewer on the caller's thread (a GPT-2 state has
 #: hundreds of small biases, norms and ``step`` counters).
 MIN_DEFERRED_BYTES = 0
-#: Where deferred storages may be, as the tensor attributes that say so: host memory
-#: (copied by the engine after save() returns) and CUDA devices (copied by DMA, see
-#: nebulite._device).
-_DEVICE_FLAGS = ("is_cpu", "is_cuda")
 #: How deep the key paths of a saved object are followed to find its tensors.
 _MAX_DEPTH = 64
 #: The most bytes of storages outside the optimizers' that a save copies on the caller's
@@ -77,23 +71,11 @@ _ATOMS = (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_form
 
 
 def _remember(optimizer: torch.optim.Optimizer) -> None:
-    """Registers the storages of `optimizer`'s parameters and tensor state that are not
-    registered yet. It runs before every step, so the walk is the extension's: one
-    attribute read per tensor whose storage is registered."""
+    """Registers the storages of `optimizer`'s parameters and tensor state (on the CPU or a
+    CUDA device) that are not registered yet. It runs before every step, so the walk is the
+    extension's: one attribute read and one lookup per tensor whose storage is registered."""
     with _lock:
-        for storage in _core.unregistered_storages(optimizer.param_groups, optimizer.state,
-                                                   torch.Tensor, _safe_storages, _DEVICE_FLAGS):
-            key = id(storage)
-            ref = _safe_storages.get(key)
-            if ref is None or ref() is not storage:
-                _safe_storages[key] = weakref.ref(storage, functools.partial(_forget, key))
-
-
-def _forget(key: int, ref: "weakref.ref[torch.UntypedStorage]") -> None:
-    """A safe storage was freed: its entry goes (unless its id was taken again already)."""
-    with _lock:
-        if _safe_storages.get(key) is ref:
-            del _safe_storages[key]
+        _safe_storages.remember(optimizer.param_groups, optimizer.state, torch.Tensor)
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -138,8 +120,7 @@ def deferrable(storage: torch.UntypedStorage, nbytes: int) -> bool:
     if _waiter is None or nbytes < MIN_DEFERRED_BYTES:
         return False
     with _lock:
-        ref = _safe_storages.get(id(storage))
-    return ref is not None and ref() is storage
+        return storage in _safe_storages
 
 
 class Scanned:
