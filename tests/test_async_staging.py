@@ -3,6 +3,7 @@ checkpoint holds exactly the state at save() time."""
 
 from __future__ import annotations
 
+import sys
 import threading
 
 import pytest
@@ -247,7 +248,7 @@ def test_safe_storages_are_known_by_identity_not_by_id(store):
     assert not flatten({"buffer": buffer}, tag="t", name="b", rank=0, version="v").deferred
 
 
-def test_the_safe_storages_registry_keeps_many_entries_and_drops_each(store):
+def test_the_safe_storages_registry_keeps_many_entries_and_drops_each():
     """Entries come and go in any order (the table grows and moves entries back as others
     leave): every live registered storage is found, and no freed one is."""
     import gc
@@ -276,6 +277,47 @@ def test_the_safe_storages_registry_keeps_many_entries_and_drops_each(store):
     del fresh, tensors
     gc.collect()  # the dropped entries' callbacks do not run
     assert len(registry) == 0
+
+
+@pytest.mark.skipif(sys.version_info >= (3, 12),
+                    reason="from Python 3.12 a collection starts at the interpreter's next check, "
+                           "not inside the allocation that crosses the threshold")
+def test_a_storage_registered_while_its_weak_reference_is_made_keeps_one_entry():
+    """Making an entry's weak reference may run Python (a collection's callbacks, another
+    thread) that registers the same storage first: one entry stays, with one reference.
+    A collection is started at each allocation of the registration in turn (a threshold of
+    n starts one at the n+1-th allocation after gc.collect())."""
+    import gc
+    import weakref
+
+    t = torch.zeros(4)
+    storage = t.untyped_storage()  # its Python object, made now, stays the same
+    groups = [{"params": [t]}]
+    threshold = gc.get_threshold()
+    registered_inside = 0
+    for n in range(1, 9):
+        registry = _core.SafeStorages()
+        inner: list[int] = []
+
+        def during_collection(phase: str, info: dict) -> None:
+            if phase == "start" and not inner:
+                inner.append(len(registry))
+                registry.remember(groups, {}, torch.Tensor)
+
+        gc.collect()
+        gc.callbacks.append(during_collection)
+        gc.set_threshold(n)
+        try:
+            registry.remember(groups, {}, torch.Tensor)
+        finally:
+            gc.set_threshold(*threshold)
+            gc.callbacks.remove(during_collection)
+        registered_inside += inner == [0]
+        assert len(registry) == 1 and storage in registry, n
+        assert weakref.getweakrefcount(storage) == 1, n
+        registry.clear()
+        assert weakref.getweakrefcount(storage) == 0, n
+    assert registered_inside  # some collection ran inside the outer registration
 
 
 def _registered(t: torch.Tensor) -> bool:

@@ -8,7 +8,7 @@
 // stored int and the weak reference.
 //
 // Every member runs under the GIL. None holds a slot across a call into Python (which may run
-// another thread, or a callback that removes an entry).
+// another thread, or a callback that removes an entry), so the registry needs no lock.
 #pragma once
 
 #include <nanobind/nanobind.h>
@@ -22,18 +22,18 @@ namespace nebulite::python {
 
 class SafeStorages {
  public:
-  // Where a safe storage's bytes are.
-  enum class Device : uint8_t { kCpu = 1, kCuda = 2 };
+  // Where a safe storage's bytes are (kNone: not a safe storage).
+  enum class Device : uint8_t { kNone = 0, kCpu = 1, kCuda = 2 };
 
   SafeStorages() : table_(std::make_shared<Table>()) {}
   ~SafeStorages() { Clear(); }
   SafeStorages(const SafeStorages&) = delete;
   SafeStorages& operator=(const SafeStorages&) = delete;
 
-  // The device of `storage` (as a number) if it is registered, else 0.
-  uint8_t Find(PyObject* storage) const {
+  // The device of `storage` if it is registered, else kNone.
+  Device Find(PyObject* storage) const {
     const Entry* e = table_->Find(storage);
-    return e == nullptr ? 0 : static_cast<uint8_t>(e->device);
+    return e == nullptr ? Device::kNone : e->device;
   }
 
   // Registers `storage` (a no-op if it is): a weak reference to it, whose callback drops the

@@ -20,7 +20,7 @@ namespace nb = nanobind;
 namespace nebulite::python {
 
 void SafeStorages::Add(PyObject* storage, Device device) {
-  if (Find(storage)) return;
+  if (Find(storage) != Device::kNone) return;
   std::weak_ptr<Table> table = table_;
   nb::object forget = nb::cpp_function([table, storage](nb::handle ref) {
     std::shared_ptr<Table> t = table.lock();
@@ -31,9 +31,9 @@ void SafeStorages::Add(PyObject* storage, Device device) {
   });
   PyObject* ref = PyWeakref_NewRef(storage, forget.ptr());
   if (ref == nullptr) throw nb::python_error();
-  // Making the reference may have run a collection, whose callbacks changed the table, but
-  // none for this storage: it is alive.
-  table_->TryEmplace(storage, Entry{ref, device});
+  // Making the reference may have run Python (a collection, whose callbacks changed the table;
+  // another thread, which may have registered this storage): the first reference stays.
+  if (!table_->TryEmplace(storage, Entry{ref, device}).second) Py_DECREF(ref);
 }
 
 void SafeStorages::Clear() {
@@ -112,7 +112,8 @@ class Finder {
       return;
     }
     nb::object storage = nb::steal(s);
-    if (safe_.Find(s)) return;  // the common case, from the second step on
+    // Known: the common case, from the second step on.
+    if (safe_.Find(s) != SafeStorages::Device::kNone) return;
     SafeStorages::Device device;
     if (Attr(x, n.is_cpu).ptr() == Py_True)
       device = SafeStorages::Device::kCpu;
@@ -150,7 +151,7 @@ void RegisterSafeStorages(nb::module_& m) {
       .def(
           "__contains__",
           [](const SafeStorages& self, nb::handle storage) {
-            return self.Find(storage.ptr()) != 0;
+            return self.Find(storage.ptr()) != SafeStorages::Device::kNone;
           },
           nb::arg("storage").none())
       .def("__len__", &SafeStorages::size)

@@ -126,9 +126,9 @@ class Scanner {
     if (fresh) {
       Ok(PyList_Append(storages_out_.ptr(), s.ptr()));  // keeps it alive: its address is its key
       // A safe storage's device is known; a device's storage takes the device's path.
-      const uint8_t device = safe_.Find(s.ptr());
-      const bool safe = device != 0;
-      if (device == static_cast<uint8_t>(SafeStorages::Device::kCuda)) throw NotScannable{};
+      const SafeStorages::Device device = safe_.Find(s.ptr());
+      const bool safe = device != SafeStorages::Device::kNone;
+      if (device == SafeStorages::Device::kCuda) throw NotScannable{};
       if (!safe && Attr(x, n.is_cpu).ptr() != Py_True) throw NotScannable{};
       const uint64_t nbytes = Unsigned(Call(s.ptr(), n.nbytes));
       storage_bytes_ += nbytes;

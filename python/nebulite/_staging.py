@@ -42,16 +42,15 @@ from __future__ import annotations
 
 import collections
 import functools
-import threading
 from typing import Any, Callable, Iterator
 
 import torch
 
 from . import _core
 
-_lock = threading.RLock()
 #: The safe storages, known by identity (see _core.SafeStorages): an entry leaves when its
-#: storage is freed, before its address can be another storage's.
+#: storage is freed, before its address can be another storage's. It needs no lock: each of
+#: its calls holds the interpreter's lock, and none holds an entry across Python code.
 _safe_storages = _core.SafeStorages()
 _hook_handle: Any = None
 _waiter: Callable[[], None] | None = None
@@ -74,8 +73,7 @@ def _remember(optimizer: torch.optim.Optimizer) -> None:
     """Registers the storages of `optimizer`'s parameters and tensor state (on the CPU or a
     CUDA device) that are not registered yet. It runs before every step, so the walk is the
     extension's: one attribute read and one lookup per tensor whose storage is registered."""
-    with _lock:
-        _safe_storages.remember(optimizer.param_groups, optimizer.state, torch.Tensor)
+    _safe_storages.remember(optimizer.param_groups, optimizer.state, torch.Tensor)
 
 
 def _pre_step(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
@@ -102,8 +100,7 @@ def disable() -> None:
     if _hook_handle is not None:
         _hook_handle.remove()
         _hook_handle = None
-    with _lock:
-        _safe_storages.clear()
+    _safe_storages.clear()
 
 
 def enabled() -> bool:
@@ -119,8 +116,7 @@ def deferrable(storage: torch.UntypedStorage, nbytes: int) -> bool:
     """True if `storage` may be copied after save() returns."""
     if _waiter is None or nbytes < MIN_DEFERRED_BYTES:
         return False
-    with _lock:
-        return storage in _safe_storages
+    return storage in _safe_storages
 
 
 class Scanned:
@@ -188,9 +184,8 @@ def scan(obj: Any) -> Scanned | None:
     text), or None where it must be staged there whole."""
     if not any_safe():
         return None
-    with _lock:
-        found = _core.scan(obj, torch.Tensor, torch.nn.Parameter, collections.OrderedDict, _ATOMS,
-                           _safe_storages, _MAX_DEPTH, MAX_COPIED_BYTES)
+    found = _core.scan(obj, torch.Tensor, torch.nn.Parameter, collections.OrderedDict, _ATOMS,
+                       _safe_storages, _MAX_DEPTH, MAX_COPIED_BYTES)
     return None if found is None else Scanned(*found)
 
 
