@@ -1,7 +1,7 @@
-// A map keyed by object addresses for the extension's per-tensor lookups (the scan of a save,
-// the registry of safe storages): open addressing with linear probing in one array, so that a
-// lookup reads one cache line and an insertion allocates nothing but, now and then, a larger
-// array (std::unordered_map allocates a node per entry).
+// A map keyed by object addresses for the extension's per-tensor lookups (the scan and the
+// walk of a save, the registry of safe storages): open addressing with linear probing in one
+// array, so that a lookup reads one cache line and an insertion allocates nothing but, now
+// and then, a larger array (std::unordered_map allocates a node per entry).
 #pragma once
 
 #include <cstddef>

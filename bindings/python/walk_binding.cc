@@ -7,10 +7,10 @@
 
 #include <cstdint>
 #include <string>
-#include <unordered_map>
 #include <vector>
 
 #include "attribute_names.h"
+#include "pointer_map.h"
 #include "python_calls.h"
 #include "status_binding.h"
 
@@ -43,12 +43,12 @@ class Walker {
 
   // True if `x` was met already: its reference goes into the key.
   bool Again(PyObject* x) {
-    auto it = seen_.find(x);
-    if (it != seen_.end()) {
-      Put(nb::make_tuple(nb::handle(N().again), it->second));
+    auto [at, fresh] = seen_.TryEmplace(x, static_cast<int64_t>(seen_.size()));
+    if (!fresh) {
+      const int64_t order = *at;
+      Put(nb::make_tuple(nb::handle(N().again), order));
       return true;
     }
-    seen_.emplace(x, static_cast<int64_t>(seen_.size()));
     alive_.push_back(nb::borrow(x));  // its address stays its own until the walk ends
     return false;
   }
@@ -172,7 +172,7 @@ class Walker {
   nb::list storage_list_;
   std::vector<nb::object> sizes_;  // of each storage, as ints
   nb::dict views_;                  // id(storage) -> [(tensor, _version)]
-  std::unordered_map<PyObject*, int64_t> seen_;
+  PointerMap<int64_t> seen_;  // object met -> its order
   std::vector<nb::object> alive_;
 };
 
