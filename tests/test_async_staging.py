@@ -495,7 +495,10 @@ def test_objects_the_scan_does_not_take_are_staged_on_the_callers_thread(store, 
     tagged = torch.ones(2)
     tagged.owner = torch.zeros(1)  # an attribute of its own: pickled with it by torch
     assert _staging.scan({"t": tagged}) is None
-    assert _staging.scan({"m": model.state_dict()}) is not None
+    # a tensor off the CPU that no optimizer manages (a CUDA buffer is one)
+    assert _staging.scan({"m": model.state_dict(), "x": torch.zeros(2, device="meta")}) is None
+    scanned = _staging.scan({"m": model.state_dict()})
+    assert scanned is not None and scanned.devices == []  # no device to mark
     monkeypatch.setattr(_staging, "MAX_COPIED_BYTES", 1024)  # the buffers alone are more
     assert _staging.scan({"m": model.state_dict()}) is None
     monkeypatch.undo()

@@ -139,11 +139,13 @@ def test_profile_device_host_smoke() -> None:
     result = _run([str(BENCH / "profile_device_host.py"), "--tensors", "4", "--numel", "256",
                    "--reps", "2", "--warmup", "1", "--profile"])
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    for mode in ("blocking", "async"):  # a host time per save in each mode, and its profile
+    # a host time per save and per barrier in each mode, and a profile of the saves
+    for mode in ("blocking", "async", "async-scanned"):
         row = next(line.split() for line in result.stdout.splitlines()
                    if line.split()[:1] == [mode])
-        assert float(row[1]) > 0 and row[2] == "ms"
-    assert result.stdout.count("function calls") == 2
+        assert row[1] == "save()" and float(row[2]) > 0 and row[3] == "ms", row
+        assert row[-3] == "barrier" and float(row[-2]) >= 0 and row[-1] == "ms", row
+    assert result.stdout.count("function calls") == 3
 
 
 def _emulator_alive(pid: int) -> bool:

@@ -20,7 +20,7 @@ import torch
 import nebulite as nm
 from nebulite import _device, _plan, _serialization, _staging
 from nebulite._serialization import RecordCollector, flatten, save_skeleton
-from nebulite.errors import TornCheckpointError
+from nebulite.errors import MemoryBudgetError, TornCheckpointError
 from test_async_staging import _model  # the same model and optimizer as the CPU staging tests
 
 HANG = 600.0
@@ -49,6 +49,7 @@ class FakeDevice:
         self.gate.set()
         self._lock = threading.Lock()
         self.streams: dict[torch.device, FakeStream] = {}
+        self.copied_on: set[str] = set()  # the threads that issued copies
 
     def copy_stream(self, device: torch.device) -> FakeStream:
         with self._lock:
@@ -58,6 +59,7 @@ class FakeDevice:
         self.log.append(("wait_current", device))
 
     def copy(self, stream: FakeStream, pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+        self.copied_on.add(threading.current_thread().name)
         for dst, src in pairs:
             self.log.append(("copy", int(src.numel())))
             stream.queue.append((dst, src))
@@ -74,7 +76,11 @@ class FakeDevice:
                 dst.copy_(src)
                 s.ran += 1
 
-    def order_current_after(self, event: FakeEvent, device: torch.device) -> None:
+    def order_current_after(self, event: FakeEvent | tuple[str, int],
+                            device: torch.device) -> None:
+        if isinstance(event, tuple):  # a mark: what it marks ran already
+            self.log.append(("order", event))
+            return
         self.log.append(("order", event.upto))
         self._run(event)  # what the device runs next runs after these copies
 
@@ -82,6 +88,15 @@ class FakeDevice:
         assert self.gate.wait(HANG)
         self.log.append(("synchronize", event.upto))
         self._run(event)
+
+    def mark(self, device: torch.device) -> tuple[str, int]:
+        # What the device ran before is done here at once: the mark needs no copy.
+        mark = ("mark", len(self.log))
+        self.log.append(mark)
+        return mark
+
+    def wait_event(self, stream: FakeStream, event: tuple[str, int]) -> None:
+        self.log.append(("wait_event", event))
 
 
 def test_chunks_cover_the_bytes_in_order_each_at_most_a_chunk():
@@ -265,25 +280,52 @@ def test_the_sealer_keeps_its_thread_for_the_next_job_until_drained():
     assert not _sealer_threads()
 
 
-@pytest.fixture
-def fake_device(monkeypatch) -> FakeDevice:
-    """Saves copy every storage as if it were on a device, through a FakeDevice."""
+def _fake_device(monkeypatch, scanned: bool) -> FakeDevice:
+    """Saves copy storages as if they were on a device, through a FakeDevice. Without
+    `scanned`, every storage, from the caller's thread (as an object holding a CUDA buffer
+    is staged). With it, an asynchronous save scans the object as it scans one whose
+    CUDA storages are all safe: the safe storages are copied from the "device" by the
+    staging thread, behind the marks save() made; the others were copied at save()."""
     fake = FakeDevice()
     monkeypatch.setattr(_device, "_backend", fake)
     original = RecordCollector.write_record
 
     def write_record(self: RecordCollector, name: str, data: Any, nbytes: int) -> None:
         original(self, name, data, nbytes)
-        if not isinstance(self.sources[-1], bytes):
-            n, _, size, deferred = self.records[-1]
-            self.records[-1] = (n, 0, size, deferred)
-            self.on_device.add(len(self.records) - 1)
+        if isinstance(self.sources[-1], bytes):
+            return
+        n, address, size, deferred = self.records[-1]
+        if self.watch.scanned is not None and not deferred:
+            return  # copied into host memory at save()
+        self.records[-1] = (n, 0, size, deferred)
+        self.on_device.add(len(self.records) - 1)
 
     monkeypatch.setattr(RecordCollector, "write_record", write_record)
-    # The scan of asynchronous saves takes CPU tensors only: an object on a device is
-    # staged from the caller's thread, as every object is here.
-    monkeypatch.setattr(_staging, "scan", lambda obj: None)
+    if scanned:
+        scan = _staging.scan
+
+        def scan_on_device(obj: Any) -> _staging.Scanned | None:
+            found = scan(obj)
+            if found is not None and found.storage_bytes:
+                found.devices = [torch.device("cpu")]  # the device the stand-in plays
+            return found
+
+        monkeypatch.setattr(_staging, "scan", scan_on_device)
+    else:
+        monkeypatch.setattr(_staging, "scan", lambda obj: None)
     return fake
+
+
+@pytest.fixture
+def fake_device(monkeypatch) -> FakeDevice:
+    return _fake_device(monkeypatch, scanned=False)
+
+
+@pytest.fixture(params=["caller", "scanned"])
+def async_device(request, monkeypatch) -> FakeDevice:
+    """A FakeDevice for asynchronous saves, each way an object on a device is staged: from
+    the caller's thread (it holds a CUDA buffer), or scanned (see _fake_device)."""
+    return _fake_device(monkeypatch, scanned=request.param == "scanned")
 
 
 @pytest.fixture(params=["embedded", "agent"])
@@ -321,11 +363,11 @@ def test_blocking_staging_returns_once_the_copies_landed_and_the_object_is_seale
 
 
 def test_async_staging_orders_the_step_after_the_copies_and_commits_once_they_landed(
-        store, mode, fake_device):
+        store, mode, async_device):
     nm.init(persistent_storage_path=store, async_staging=True, num_of_version_in_retention=0)
     model, opt = _model()
     _step(model, opt)  # the optimizer's storages are known to be safe from now on
-    fake_device.gate.clear()  # the copies do not land before we say so
+    async_device.gate.clear()  # the copies do not land before we say so
     expected = {k: v.clone() for k, v in model.state_dict().items()}
     expected_opt = opt.state_dict()["state"][0]["exp_avg"].clone()
     ck = nm.Checkpoint("a", 2)
@@ -336,7 +378,7 @@ def test_async_staging_orders_the_step_after_the_copies_and_commits_once_they_la
     _step(model, opt)  # the barrier: ordered after the copies on the device, host not held
     assert s.held_commits, "committed before its bytes landed"
     assert not any(v["tag"] == "a" for v in s.engine.versions())
-    fake_device.gate.set()
+    async_device.gate.set()
     got = nm.get_checkpoint(tag="a")
     assert got.tag == "a"
     model_got = got.load("model")
@@ -346,7 +388,7 @@ def test_async_staging_orders_the_step_after_the_copies_and_commits_once_they_la
 
 
 def test_the_sealer_thread_outlives_the_optimizer_barrier_but_no_other_call(
-        store, fake_device):
+        store, async_device):
     nm.init(persistent_storage_path=store, async_staging=True, num_of_version_in_retention=0)
     model, opt = _model()
     _step(model, opt)
@@ -362,7 +404,7 @@ def test_the_sealer_thread_outlives_the_optimizer_barrier_but_no_other_call(
 
 
 def test_a_save_waiting_for_memory_that_copies_still_landing_hold_goes_on(
-        store, mode, fake_device, monkeypatch):
+        store, mode, async_device, monkeypatch):
     # Each checkpoint takes most of the memory tier, so the next one's reservation needs
     # the memory of the one before, whose copies land (and whose objects are sealed) only
     # after that reservation was asked for: with the node agent, the seals go over the
@@ -399,32 +441,83 @@ def save_each_step_and_check(model: torch.nn.Module, opt: torch.optim.Optimizer,
             assert torch.equal(got[n], t), (k, n)
 
 
-def test_async_staging_fails_a_checkpoint_changed_before_the_barrier(store, mode, fake_device):
+def test_an_async_save_of_safe_device_storages_leaves_their_copies_to_the_staging_thread(
+        store, mode, monkeypatch):
+    fake = _fake_device(monkeypatch, scanned=True)
+    nm.init(persistent_storage_path=store, async_staging=True, num_of_version_in_retention=0)
+    model, opt = _model()
+    _step(model, opt)
+    _step(model, opt)  # the optimizer's state, made by the first step, is known to be safe
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    expected_opt = opt.state_dict()["state"][0]["exp_avg"].clone()
+    ck = nm.Checkpoint("a", 2)
+    ck.save("model", model.state_dict())
+    # The staging thread starts at the commit: save() marked the device, and nothing else.
+    assert fake.log == [("mark", 0)]
+    ck.save("optimizer", opt.state_dict())
+    _step(model, opt)
+    assert fake.copied_on == {"nebulite-stager"}
+    assert not any(e[0] == "wait_current" for e in fake.log)
+    marks = [e for e in fake.log if e[0] == "mark"]
+    assert len(marks) == 2  # one per object (and device)
+    waits = [i for i, e in enumerate(fake.log) if e[0] == "wait_event"]
+    copies = [i for i, e in enumerate(fake.log) if e[0] == "copy"]
+    assert [fake.log[i][1] for i in waits] == marks  # each object's copies wait for its mark
+    assert copies and waits[0] < copies[0]
+    got = nm.get_checkpoint(tag="a")
+    model_got = got.load("model")
+    for k, t in expected.items():
+        assert torch.equal(model_got[k], t), k
+    assert torch.equal(got.load("optimizer")["state"][0]["exp_avg"], expected_opt)
+
+
+def test_a_scanned_object_too_large_for_the_memory_tier_is_copied_behind_its_mark(
+        store, monkeypatch):
+    fake = _fake_device(monkeypatch, scanned=True)
+
+    def full(*args: Any, **kwargs: Any) -> Any:
+        raise MemoryBudgetError("no room")
+
+    monkeypatch.setattr(_device, "stage", full)
     nm.init(persistent_storage_path=store, async_staging=True)
     model, opt = _model()
     _step(model, opt)
-    fake_device.gate.clear()
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    nm.Checkpoint("big").save("model", model.state_dict())
+    _step(model, opt)
+    mark = next(e for e in fake.log if e[0] == "mark")
+    assert ("order", mark) in fake.log  # the copies to host memory came after its mark
+    got = nm.get_checkpoint(tag="big").load("model")
+    for k, t in expected.items():
+        assert torch.equal(got[k], t), k
+
+
+def test_async_staging_fails_a_checkpoint_changed_before_the_barrier(store, mode, async_device):
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _model()
+    _step(model, opt)
+    async_device.gate.clear()
     nm.Checkpoint("torn").save("model", model.state_dict())
     with torch.no_grad():
         model[0].weight.add_(1)  # raced with the copy on a device
-    fake_device.gate.set()
+    async_device.gate.set()
     with pytest.raises(TornCheckpointError, match="0.weight"):
         nm.wait_staged()
     assert nm.get_checkpoint(tag="torn").tag == ""
 
 
 def test_async_staging_commits_in_order_when_a_later_barrier_finds_the_copies_landed(
-        store, fake_device):
+        store, async_device):
     nm.init(async_staging=True)
     model, opt = _model()
     _step(model, opt)
-    fake_device.gate.clear()
+    async_device.gate.clear()
     nm.Checkpoint("one").save("model", model.state_dict())
     nm.Checkpoint("two").save("model", model.state_dict())
     _step(model, opt)
     s = nm.api._session
     assert [c[0] for c in s.held_commits] == ["one", "two"]
-    fake_device.gate.set()
+    async_device.gate.set()
     s.sealer.drain()
     _step(model, opt)  # the next barrier commits both, in order
     assert not s.held_commits and not s.pending
@@ -439,8 +532,8 @@ def test_a_cpu_only_plan_key_is_unchanged_by_device_support():
 
 
 @pytest.mark.parametrize("async_staging", [False, True], ids=["blocking", "async"])
-def test_a_failed_staging_from_a_device_fails_that_checkpoint_only(store, fake_device, monkeypatch,
-                                                                   async_staging):
+def test_a_failed_staging_from_a_device_fails_that_checkpoint_only(store, async_device,
+                                                                   monkeypatch, async_staging):
     from nebulite import _core
     from nebulite.errors import PersistError
 

@@ -210,6 +210,39 @@ def test_async_staging_commits_only_once_the_bytes_landed(store, agent, request,
     assert torch.equal(got["weight"], want) and not torch.equal(got["weight"], model.weight)
 
 
+def test_an_async_save_of_safe_cuda_state_leaves_its_copies_to_the_staging_thread(
+        store, monkeypatch):
+    issued_on: set[str] = set()
+    original = _device.CudaBackend.copy
+
+    def copy(self, stream, pairs):
+        issued_on.add(threading.current_thread().name)
+        original(self, stream, pairs)
+
+    monkeypatch.setattr(_device.CudaBackend, "copy", copy)
+    nm.init(persistent_storage_path=store, async_staging=True, num_of_version_in_retention=0)
+    model = torch.nn.Linear(1024, 1024).cuda()
+    opt = torch.optim.AdamW(model.parameters(), lr=1.0)
+    model(torch.randn(4, 1024, device="cuda")).sum().backward()
+    opt.step()
+    opt.step()  # the state the first step made is known to be safe from now on
+    want = {k: v.clone() for k, v in model.state_dict().items()}
+    ck = nm.Checkpoint("scanned", 2)
+    ck.save("model", model.state_dict())
+    ck.save("optimizer", opt.state_dict())
+    opt.step()  # ordered after the copies on the device
+    assert issued_on == {"nebulite-stager"}
+    got = nm.get_checkpoint(tag="scanned").load("model", map_location="cuda:0")
+    for k, t in want.items():
+        assert got[k].device == t.device and torch.equal(got[k], t), k
+    # A CUDA buffer (which forward may change) is copied before save() returns, from here.
+    issued_on.clear()
+    bn = torch.nn.BatchNorm1d(16).cuda()
+    nm.Checkpoint("buffer").save("model", {"weight": model.weight, "mean": bn.running_mean})
+    assert issued_on == {threading.current_thread().name}
+    nm.wait_staged()
+
+
 def test_async_staging_detects_a_cuda_tensor_changed_before_the_barrier(store):
     nm.init(persistent_storage_path=store, async_staging=True)
     model = torch.nn.Linear(1024, 1024).cuda()

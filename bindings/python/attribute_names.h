@@ -33,6 +33,7 @@ struct Names {
   PyObject* params = PyUnicode_InternFromString("params");
   PyObject* values = PyUnicode_InternFromString("values");
   PyObject* numel = PyUnicode_InternFromString("numel");
+  PyObject* get_device = PyUnicode_InternFromString("get_device");
 };
 
 inline const Names& N() {

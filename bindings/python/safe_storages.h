@@ -24,21 +24,26 @@ class SafeStorages {
  public:
   // Where a safe storage's bytes are (kNone: not a safe storage).
   enum class Device : uint8_t { kNone = 0, kCpu = 1, kCuda = 2 };
+  // A storage's device and, on a CUDA device, its index (-1 otherwise).
+  struct Where {
+    Device device = Device::kNone;
+    int16_t index = -1;
+  };
 
   SafeStorages() : table_(std::make_shared<Table>()) {}
   ~SafeStorages() { Clear(); }
   SafeStorages(const SafeStorages&) = delete;
   SafeStorages& operator=(const SafeStorages&) = delete;
 
-  // The device of `storage` if it is registered, else kNone.
-  Device Find(PyObject* storage) const {
+  // Where `storage` is if it is registered, else {kNone, -1}.
+  Where Find(PyObject* storage) const {
     const Entry* e = table_->Find(storage);
-    return e == nullptr ? Device::kNone : e->device;
+    return e == nullptr ? Where{} : e->where;
   }
 
   // Registers `storage` (a no-op if it is): a weak reference to it, whose callback drops the
   // entry. Raises what Python raised making the reference.
-  void Add(PyObject* storage, Device device);
+  void Add(PyObject* storage, Where where);
 
   // Drops every entry (their weak references with them).
   void Clear();
@@ -48,7 +53,7 @@ class SafeStorages {
  private:
   struct Entry {
     PyObject* ref = nullptr;  // the weak reference to the storage (owned)
-    Device device = Device::kCpu;
+    Where where;
   };
   // Keyed by the storage's address (not a reference to it).
   using Table = PointerMap<Entry>;

@@ -19,8 +19,8 @@ namespace nb = nanobind;
 
 namespace nebulite::python {
 
-void SafeStorages::Add(PyObject* storage, Device device) {
-  if (Find(storage) != Device::kNone) return;
+void SafeStorages::Add(PyObject* storage, Where where) {
+  if (Find(storage).device != Device::kNone) return;
   std::weak_ptr<Table> table = table_;
   nb::object forget = nb::cpp_function([table, storage](nb::handle ref) {
     std::shared_ptr<Table> t = table.lock();
@@ -33,7 +33,7 @@ void SafeStorages::Add(PyObject* storage, Device device) {
   if (ref == nullptr) throw nb::python_error();
   // Making the reference may have run Python (a collection, whose callbacks changed the table;
   // another thread, which may have registered this storage): the first reference stays.
-  if (!table_->TryEmplace(storage, Entry{ref, device}).second) Py_DECREF(ref);
+  if (!table_->TryEmplace(storage, Entry{ref, where}).second) Py_DECREF(ref);
 }
 
 void SafeStorages::Clear() {
@@ -113,16 +113,20 @@ class Finder {
     }
     nb::object storage = nb::steal(s);
     // Known: the common case, from the second step on.
-    if (safe_.Find(s) != SafeStorages::Device::kNone) return;
-    SafeStorages::Device device;
-    if (Attr(x, n.is_cpu).ptr() == Py_True)
-      device = SafeStorages::Device::kCpu;
-    else if (Attr(x, n.is_cuda).ptr() == Py_True)
-      device = SafeStorages::Device::kCuda;
-    else
+    if (safe_.Find(s).device != SafeStorages::Device::kNone) return;
+    SafeStorages::Where where;
+    if (Attr(x, n.is_cpu).ptr() == Py_True) {
+      where.device = SafeStorages::Device::kCpu;
+    } else if (Attr(x, n.is_cuda).ptr() == Py_True) {
+      where.device = SafeStorages::Device::kCuda;
+      const long index = PyLong_AsLong(Call(x, n.get_device).ptr());
+      if (index == -1 && PyErr_Occurred()) throw nb::python_error();
+      where.index = static_cast<int16_t>(index);
+    } else {
       return;  // another device's: copied before save() returns
+    }
     if (state && !Truthy(Call(x, n.numel))) return;  // an empty tensor
-    safe_.Add(s, device);
+    safe_.Add(s, where);
   }
 
   SafeStorages& safe_;
@@ -151,7 +155,7 @@ void RegisterSafeStorages(nb::module_& m) {
       .def(
           "__contains__",
           [](const SafeStorages& self, nb::handle storage) {
-            return self.Find(storage.ptr()) != SafeStorages::Device::kNone;
+            return self.Find(storage.ptr()).device != SafeStorages::Device::kNone;
           },
           nb::arg("storage").none())
       .def("__len__", &SafeStorages::size)

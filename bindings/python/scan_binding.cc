@@ -1,10 +1,11 @@
 // nebulite._core.scan: what an asynchronous save does on the caller's thread (see
 // nebulite._staging). It records what to copy and nothing more: the containers are copied
 // (so that the object pickled later is the one saved), and for each tensor its storage and
-// `_version`. Storages an optimizer manages are left to be copied later; the others, which
-// forward may change before the next optimizer step, are copied here into one buffer. The
-// walk, the pickling and the staging run on the staging thread. Through the CPython API, a
-// few attribute reads per tensor; torch is reached only through its Python objects.
+// `_version`. Storages an optimizer manages (on the CPU or a CUDA device) are left to be
+// copied later; the others, which forward may change before the next optimizer step, are
+// copied here into one buffer (CPU storages only). The walk, the pickling and the staging
+// run on the staging thread. Through the CPython API, a few attribute reads per tensor;
+// torch is reached only through its Python objects.
 #include <nanobind/nanobind.h>
 
 #include <cstdint>
@@ -80,7 +81,8 @@ class Scanner {
     nb::object safe = nb::steal(Check(PyBytes_FromStringAndSize(
         safe_flags_.data(), static_cast<Py_ssize_t>(safe_flags_.size()))));
     return nb::make_tuple(frozen, tensors_out_, versions_, which, storages_out_, safe, snapshot,
-                          reinterpret_cast<uintptr_t>(base), at, storage_bytes_, layouts_);
+                          reinterpret_cast<uintptr_t>(base), at, storage_bytes_, layouts_,
+                          cuda_devices_);
   }
 
  private:
@@ -125,10 +127,15 @@ class Scanner {
     const uint32_t k = *at;
     if (fresh) {
       Ok(PyList_Append(storages_out_.ptr(), s.ptr()));  // keeps it alive: its address is its key
-      // A safe storage's device is known; a device's storage takes the device's path.
-      const SafeStorages::Device device = safe_.Find(s.ptr());
-      const bool safe = device != SafeStorages::Device::kNone;
-      if (device == SafeStorages::Device::kCuda) throw NotScannable{};
+      // A safe storage's device is known. A safe CUDA storage is copied later, from its
+      // device, behind an event that save() records on the device's current stream; any
+      // other storage off the CPU takes the synchronous way.
+      const SafeStorages::Where where = safe_.Find(s.ptr());
+      const bool safe = where.device != SafeStorages::Device::kNone;
+      if (where.device == SafeStorages::Device::kCuda) {
+        if (where.index < 0 || where.index >= 64) throw NotScannable{};
+        cuda_devices_ |= uint64_t{1} << where.index;
+      }
       if (!safe && Attr(x, n.is_cpu).ptr() != Py_True) throw NotScannable{};
       const uint64_t nbytes = Unsigned(Call(s.ptr(), n.nbytes));
       storage_bytes_ += nbytes;
@@ -243,6 +250,7 @@ class Scanner {
   const uint64_t max_copy_bytes_;
   uint64_t copy_bytes_ = 0;
   uint64_t storage_bytes_ = 0;  // of every storage met
+  uint64_t cuda_devices_ = 0;   // bit i: a safe storage on CUDA device i was met
   // Flat, so that the caller's thread makes few objects per tensor; nebulite._staging
   // builds the maps it needs from them on the staging thread.
   nb::list tensors_out_;          // each tensor met, once
@@ -272,13 +280,15 @@ void RegisterScan(nb::module_& m) {
       nb::arg("obj").none(), nb::arg("tensor"), nb::arg("parameter"), nb::arg("ordered_dict"),
       nb::arg("atoms"), nb::arg("safe"), nb::arg("max_depth"), nb::arg("max_copy_bytes"),
       "None if `obj` is not made of dicts, OrderedDicts, lists, tuples, immutable values "
-      "(`atoms` among them) and plain CPU tensors, or if the storages outside `safe` "
-      "(a SafeStorages) hold more than max_copy_bytes; else (copy of "
+      "(`atoms` among them) and tensors on the CPU or on storages of a CUDA device that "
+      "`safe` (a SafeStorages) holds, or if the storages outside `safe` hold more than "
+      "max_copy_bytes; else (copy of "
       "obj's containers, [each tensor], [its _version], its storage's index as uint32 "
       "bytes, [each storage], per storage b'\\x01' if safe else b'\\x00', bytearray with the "
       "copied storages' bytes, its address, [(storage index, offset in it, nbytes)], bytes "
       "of all the storages, [(tensor, shape, stride, offset)] of the tensors on the copied "
-      "storages): see nebulite._staging.scan.");
+      "storages, a mask of the CUDA devices of the safe storages met: bit i for device i): "
+      "see nebulite._staging.scan.");
 }
 
 }  // namespace nebulite::python

@@ -4,7 +4,8 @@ A CUDA storage of a saved object is never copied through pageable memory. Its re
 reserved in the arena (``Engine.reserve``), and the copy is issued on a copy stream of its
 device (one per device, made once), in chunks of `CHUNK_BYTES` so that the link is never
 held long by one copy, after the copy stream waited for the device's current stream (the
-work that produced the bytes). The end of each checkpoint object's copies is marked by one
+work that produced the bytes), or, when another thread issues them after save() returned,
+for the event save() recorded on it (``mark()``). The end of each checkpoint object's copies is marked by one
 event per device, the *landed* event; copies of storages that may change before the next
 optimizer step (see nebulite._staging) come first and are marked by the *unsafe* event.
 
@@ -30,7 +31,7 @@ from typing import Any, Callable, Iterator, Protocol
 
 import torch
 
-from .errors import MemoryBudgetError
+from .errors import MemoryBudgetError, TornCheckpointError
 
 #: The largest single copy issued on a copy stream.
 CHUNK_BYTES = 64 << 20
@@ -77,6 +78,8 @@ class CopyBackend(Protocol):
     def record(self, stream: Any) -> Any: ...
     def order_current_after(self, event: Any, device: torch.device) -> None: ...
     def synchronize(self, event: Any) -> None: ...
+    def mark(self, device: torch.device) -> Any: ...
+    def wait_event(self, stream: Any, event: Any) -> None: ...
 
 
 class CudaBackend:
@@ -114,6 +117,12 @@ class CudaBackend:
     def synchronize(self, event: Any) -> None:
         event.synchronize()
 
+    def mark(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device).record_event()
+
+    def wait_event(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
 
 _backend: CopyBackend | None = None
 
@@ -134,8 +143,10 @@ class DeviceCopies:
     while the rest is still being copied: ``landing()``."""
 
     def __init__(self, copier: CopyBackend | None = None, chunk: int = CHUNK_BYTES,
-                 group: int = GROUP_BYTES) -> None:
+                 group: int = GROUP_BYTES, after: dict[torch.device, Any] | None = None) -> None:
         self._backend = copier if copier is not None else backend()
+        # device -> the event its copies wait for (see mark()); None: its current stream
+        self._after = after
         self._chunk = chunk
         self._group = group
         self._sources: list[Any] = []  # kept alive until the copies landed
@@ -151,7 +162,12 @@ class DeviceCopies:
 
     def add(self, index: int, storage: Any, host: torch.Tensor, safe: bool) -> None:
         """Queues record `index`: device `storage` into `host` (a uint8 CPU tensor of its
-        size, in the arena); `safe` storages may change only at the next optimizer step."""
+        size, in the arena); `safe` storages may change only at the next optimizer step.
+        With events to wait for, a storage on a device without one was not the object's at
+        save(): TornCheckpointError, before any copy is issued."""
+        if self._after is not None and storage.device not in self._after:
+            raise TornCheckpointError(
+                f"a tensor was given a storage on {storage.device} after save()")
         self._sources.append(storage)
         self._queued.append((safe, storage, host, len(self.spans)))
         self.spans.append((index, int(host.data_ptr()), int(host.numel())))
@@ -167,7 +183,10 @@ class DeviceCopies:
             device = storage.device
             if device not in self._streams:
                 stream = self._streams[device] = self._backend.copy_stream(device)
-                self._backend.wait_current(stream, device)
+                if self._after is None:
+                    self._backend.wait_current(stream, device)
+                else:
+                    self._backend.wait_event(stream, self._after[device])
             mine = groups.setdefault(device, [])
             if not mine or mine[-1][2] >= self._group:
                 mine.append(([], [], 0))
@@ -298,14 +317,31 @@ class Sealer:
                 self._start_locked()
 
 
+def mark(devices: list[torch.device]) -> dict[torch.device, Any]:
+    """An event recorded now on the current stream of each of `devices`: copies issued
+    later, on another thread, that wait for it read the bytes as they are once the work
+    queued until now is done (an asynchronous save's, see nebulite._staging)."""
+    copier = backend()
+    return {device: copier.mark(device) for device in devices}
+
+
+def order_current_after(marks: dict[torch.device, Any]) -> None:
+    """The current streams of this thread wait on the device for `marks` (see mark())."""
+    copier = backend()
+    for device, event in marks.items():
+        copier.order_current_after(event, device)
+
+
 def stage(engine: Any, tag: str, version: str, name: str, records: Any, persist_now: bool,
           sealer: Sealer, copier: CopyBackend | None = None,
-          crc: Callable[[int, int], int] | None = None) -> "Sealer.Job":
+          crc: Callable[[int, int], int] | None = None,
+          after: dict[torch.device, Any] | None = None) -> "Sealer.Job":
     """Stages a flattened object (a nebulite._serialization.RecordCollector) that holds
     device storages: reserves its image in the arena, copies the host records there at once
     (computing their CRC-32s), issues the device copies, and hands the sealing (the device
     records' CRC-32s, once landed, then ``engine.seal``) to `sealer`. Returns the job; the
-    caller waits for it (blocking staging) or leaves it to the optimizer barrier.
+    caller waits for it (blocking staging) or leaves it to the optimizer barrier. The copies
+    wait for the devices' current streams, or with `after` for its events (see mark()).
 
     Memory not free now may be held by earlier objects whose copies are still landing: the
     reservation waits for memory only once `sealer` has sealed them (with the node agent,
@@ -329,7 +365,7 @@ def stage(engine: Any, tag: str, version: str, name: str, records: Any, persist_
     crcs = [0] * len(records.records)
     host: list[tuple[int, int, int]] = []
     host_index: list[int] = []
-    copies = DeviceCopies(copier)
+    copies = DeviceCopies(copier, after=after)
     try:
         for i, ((_, src, size, deferred), (_, off, _)) in enumerate(zip(records.records, placed)):
             if i in records.on_device:

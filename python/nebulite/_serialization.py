@@ -71,16 +71,19 @@ class RecordCollector:
             return
         # An untyped storage: on the CPU, or on a CUDA device when the skeleton came from
         # save_skeleton (torch's _save moves others to the CPU first).
+        scanned = self.watch.scanned
         if data.device.type != "cpu":
             if not _device.is_device_storage(data):  # pragma: no cover - no such device here
                 data = data.cpu()
             else:
+                if scanned is not None and scanned.storages.get(id(data)) is not data:
+                    raise TornCheckpointError(
+                        f"a tensor was given another storage after save() (record {name!r})")
                 self.on_device.add(len(self.records))
                 self.sources.append(data)
                 self.records.append((name, 0, int(nbytes), self.watch.defer(data, int(nbytes))))
                 self.storage_bytes += int(nbytes)
                 return
-        scanned = self.watch.scanned
         if scanned is not None and self._copied_at_save(name, data, int(nbytes), scanned):
             return
         self.sources.append(data)

@@ -9,18 +9,23 @@ pending copy before any ``torch.optim.Optimizer`` steps (DeepSpeed's and Lightni
 optimizers are such optimizers or wrap one). Only storages that belong to a parameter
 or to the state of an optimizer that has stepped at least once are deferred; every
 other tensor (buffers such as BatchNorm statistics, which change in forward) is
-copied before save() returns. On a CUDA device (nebulite._device) every copy is issued
-before save() returns and none waits on the host: the device's current stream waits at
-once for the copies of the other tensors, and at the barrier for those of safe storages;
+copied before save() returns. On a CUDA device (nebulite._device) no copy waits on the
+host: the copies of safe storages are issued after an event that save() records on the
+device's current stream, and the device's current stream waits for them at the barrier;
 the barrier commits the checkpoint once the copies landed.
 
 A save does little on the caller's thread (``scan``, in the extension): it copies the
 object's containers, records each tensor's storage and ``_version``, and copies the
 storages no optimizer manages into one buffer. Walking the object, pickling its skeleton
 and staging its records run on a staging thread (nebulite._stager), behind the same
-barrier: the next optimizer step waits for them as it waits for the copies. An object that
-is not made of dicts, lists, tuples, immutable values and plain CPU tensors, or whose
-other storages hold more than MAX_COPIED_BYTES, is staged on the caller's thread.
+barrier: the next optimizer step waits for them as it waits for the copies. Safe storages
+on a CUDA device are copied from there by the staging thread too: save() records an event
+on the current stream of each of their devices (the bytes as they are once the work queued
+before save() is done), and their copies are issued on a copy stream that waits for it. An
+object that is not made of dicts, lists, tuples, immutable values and plain tensors, that
+holds a tensor off the CPU whose storage is not a safe one (a CUDA buffer), or whose other
+storages hold more than MAX_COPIED_BYTES, is staged on the caller's thread (with CUDA
+storages, whose copies are then issued there, see nebulite._device).
 
 Safe storages are known by identity, never by address alone: the registry
 (``_core.SafeStorages``) holds a weak reference to each of torch's storage objects (which
@@ -128,7 +133,8 @@ class Scanned:
                  which: bytes, storage_list: list[torch.UntypedStorage], safe: bytes,
                  snapshot: bytearray, address: int, copied: list[tuple[int, int, int]],
                  storage_bytes: int,
-                 layouts: list[tuple[torch.Tensor, Any, tuple[int, ...], int]]) -> None:
+                 layouts: list[tuple[torch.Tensor, Any, tuple[int, ...], int]],
+                 cuda_devices: int = 0) -> None:
         self.obj = obj  # the saved object with its containers copied
         self._tensors = tensors  # each tensor met, with its _version at save()
         self._versions = versions
@@ -140,6 +146,11 @@ class Scanned:
         self.address = address
         self.storage_bytes = storage_bytes  # of every storage met
         self.layouts = layouts  # of the tensors on copied storages, at save()
+        # The CUDA devices of the safe storages met (their copies are issued later).
+        self.devices = [torch.device("cuda", i) for i in range(cuda_devices.bit_length())
+                        if cuda_devices >> i & 1]
+        # device -> the event save() recorded on its current stream (see nebulite._device)
+        self.marks: dict[torch.device, Any] = {}
 
     @functools.cached_property
     def views(self) -> dict[int, list[tuple[torch.Tensor, int]]]:

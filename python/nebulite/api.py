@@ -469,13 +469,8 @@ class _Session:
         sealed; with async_staging, once they are issued: the device's current stream waits
         for the copies of storages that may change before the next optimizer step, and the
         barrier orders that step after the rest, and commits once they landed."""
-        try:
-            job = _device.stage(self.engine, tag, version, name, records, persist_now,
-                                self.sealer)
-        except MemoryBudgetError:
-            # Larger than the memory tier: the engine streams it from host memory.
-            records.move_to_host()
-            self.engine.stage(tag, version, name, records.records, persist_now)
+        job = _stage_device(self.engine, self.sealer, tag, version, name, records, persist_now)
+        if job is None:
             return
         if not _staging.enabled():
             job.done.wait()
@@ -744,9 +739,11 @@ class Checkpoint:
                 persist_now = (bool(s.root) and s.config.persistent_time_interval == 0 and last
                                and not s.coordinated)
                 if scanned is not None:
+                    if scanned.devices:  # its copies from a device wait for what is queued now
+                        scanned.marks = _device.mark(scanned.devices)
                     job = s.stager.submit(functools.partial(
-                        _stage_scanned, s.engine, self.tag, v.version, name, s.rank, scanned,
-                        persist_now))
+                        _stage_scanned, s.engine, s.sealer, self.tag, v.version, name, s.rank,
+                        scanned, persist_now))
                     s.pending.append((self.tag, v.version, name, job))
                 else:
                     s.stager.drain()  # a version's objects are staged in the order saved
@@ -835,6 +832,7 @@ class Checkpoint:
                 s.open[self.tag] = v
             elif v.version != agreed:
                 s.stager.drain()  # its objects are staged under the old name first
+                s.sealer.drain(stop=False)  # ... and sealed
                 s.engine.rename_version(self.tag, v.version, agreed)
                 v.version = agreed
             s.counter = max(s.counter, number)
@@ -933,11 +931,31 @@ class Checkpoint:
         return list(self._committed["names"]) if self._committed else []
 
 
-def _stage_scanned(engine: Any, tag: str, version: str, name: str, rank: int,
-                   scanned: _staging.Scanned, persist_now: bool) -> Any:
+def _stage_device(engine: Any, sealer: _device.Sealer, tag: str, version: str, name: str,
+                  records: Any, persist_now: bool,
+                  after: dict[Any, Any] | None = None) -> _device.Sealer.Job | None:
+    """Issues the copies of an object holding CUDA storages into the arena (see
+    nebulite._device.stage; with `after`, behind those events) and returns the job that seals
+    it; None when the object is larger than the memory tier, which the engine then staged
+    from host memory."""
+    try:
+        return _device.stage(engine, tag, version, name, records, persist_now, sealer,
+                             after=after)
+    except MemoryBudgetError:
+        if after:
+            _device.order_current_after(after)  # the copies to the host below come after
+        records.move_to_host()
+        engine.stage(tag, version, name, records.records, persist_now)
+        return None
+
+
+def _stage_scanned(engine: Any, sealer: _device.Sealer, tag: str, version: str, name: str,
+                   rank: int, scanned: _staging.Scanned, persist_now: bool) -> Any:
     """What the staging thread does for an object save() scanned: checks that its structure
     is still the one saved, flattens it (reading the storages save() copied from its copy
-    of them), and stages the records; returns them (they keep the sources alive)."""
+    of them), and stages the records; returns them (they keep the sources alive). Records
+    on a CUDA device are copied from there behind the events save() recorded; the barrier
+    finds the job that seals them on the records (``records.job``)."""
     def unmoved() -> None:
         why = scanned.moved()
         if why is not None:
@@ -951,7 +969,11 @@ def _stage_scanned(engine: Any, tag: str, version: str, name: str, rank: int,
         unmoved()  # changed while it was pickled: say which tensor, where it can be told
         raise
     unmoved()  # nor while it was pickled
-    engine.stage(tag, version, name, records.records, persist_now)
+    if records.device_copies:
+        records.job = _stage_device(engine, sealer, tag, version, name, records, persist_now,
+                                    after=scanned.marks)
+    else:
+        engine.stage(tag, version, name, records.records, persist_now)
     return records
 
 
