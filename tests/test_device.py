@@ -471,6 +471,22 @@ def test_an_async_save_of_safe_device_storages_leaves_their_copies_to_the_stagin
     assert torch.equal(got.load("optimizer")["state"][0]["exp_avg"], expected_opt)
 
 
+def test_without_a_skeleton_writer_for_this_torch_a_device_object_is_staged_by_the_caller(
+        store, monkeypatch):
+    # torch's own writer would copy each CUDA storage to the host on the staging thread,
+    # outside the order of the device's current stream: the caller stages the object.
+    fake = _fake_device(monkeypatch, scanned=True)
+    monkeypatch.setattr(nm.api, "skeleton_matches_torch", lambda: False)
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _model()
+    _step(model, opt)
+    nm.Checkpoint("c").save("model", model.state_dict())
+    assert not any(e[0] == "mark" for e in fake.log)
+    assert fake.copied_on == {threading.current_thread().name}
+    nm.wait_staged()
+    assert nm.get_checkpoint(tag="c").tag == "c"
+
+
 def test_a_scanned_object_too_large_for_the_memory_tier_is_copied_behind_its_mark(
         store, monkeypatch):
     fake = _fake_device(monkeypatch, scanned=True)

@@ -26,7 +26,8 @@ from typing import Any, Iterable
 from . import _core, _device, _dist, _pinned, _stager, _staging, _waiting
 from ._save_dir import Placeholders
 from ._config import Config, is_store_url, parse_path, parse_seconds, read_threads, store_exists
-from ._serialization import ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only
+from ._serialization import (ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only,
+                             skeleton_matches_torch)
 from .errors import (
     AgentLostError,
     CorruptCheckpointError,
@@ -727,6 +728,10 @@ class Checkpoint:
             # memory tier (the engine streams it from here, or refuses it).
             scanned = _staging.scan(obj) if _staging.enabled() else None
             if scanned is not None and scanned.storage_bytes > s.engine.memory_capacity:
+                scanned = None
+            # CUDA storages are flattened where they are only by a skeleton writer that
+            # writes what this torch writes (else torch's own copies them to the host).
+            if scanned is not None and scanned.devices and not skeleton_matches_torch():
                 scanned = None
             try:
                 # With an interval of 0 every checkpoint is persisted: start writing now,
