@@ -4,10 +4,11 @@ A CUDA storage of a saved object is never copied through pageable memory. Its re
 reserved in the arena (``Engine.reserve``), and the copy is issued on a copy stream of its
 device (one per device, made once), in chunks of `CHUNK_BYTES` so that the link is never
 held long by one copy, after the copy stream waited for the device's current stream (the
-work that produced the bytes), or, when another thread issues them after save() returned,
-for the event save() recorded on it (``mark()``). The end of each checkpoint object's copies is marked by one
-event per device, the *landed* event; copies of storages that may change before the next
-optimizer step (see nebulite._staging) come first and are marked by the *unsafe* event.
+work that produced the bytes), or, when the staging thread issues them after save()
+returned, for the event save() recorded on it (``mark()``). The end of each checkpoint
+object's copies is marked by one event per device, the *landed* event; copies of storages
+that may change before the next optimizer step (see nebulite._staging) come first and are
+marked by the *unsafe* event.
 
 Lifecycle of one object's copies (`DeviceCopies`):
   ``add()`` for each storage -> ``finish()`` (records the events; the sources stay alive)
