@@ -471,6 +471,35 @@ def test_an_async_save_of_safe_device_storages_leaves_their_copies_to_the_stagin
     assert torch.equal(got.load("optimizer")["state"][0]["exp_avg"], expected_opt)
 
 
+def test_a_checkpoint_of_an_object_with_a_device_buffer_and_a_scanned_one_holds_both(
+        store, mode, monkeypatch):
+    # The model holds buffers on the device (its copies are issued by save()); the
+    # optimizer's state is all safe (scanned, its copies issued by the staging thread).
+    fake = _fake_device(monkeypatch, scanned=True)
+    scan = _staging.scan
+    monkeypatch.setattr(_staging, "scan",
+                        lambda obj: None if "1.running_mean" in obj else scan(obj))
+    nm.init(persistent_storage_path=store, async_staging=True, num_of_version_in_retention=0)
+    model, opt = _model()
+    _step(model, opt)
+    _step(model, opt)
+    for k in range(2):
+        expected = {n: t.clone() for n, t in model.state_dict().items()}
+        expected_opt = opt.state_dict()["state"][2]["exp_avg_sq"].clone()
+        ck = nm.Checkpoint(f"m{k}", 2)
+        ck.save("model", model.state_dict())
+        ck.save("optimizer", opt.state_dict())
+        _step(model, opt)
+        got = nm.get_checkpoint(tag=f"m{k}")
+        model_got = got.load("model")
+        for n, t in expected.items():
+            assert torch.equal(model_got[n], t), (k, n)
+        assert torch.equal(got.load("optimizer")["state"][2]["exp_avg_sq"], expected_opt)
+    assert fake.copied_on == {threading.current_thread().name, "nebulite-stager"}
+    assert any(e[0] == "mark" for e in fake.log)
+    assert ("wait_current", torch.device("cpu")) in fake.log
+
+
 def test_without_a_skeleton_writer_for_this_torch_a_device_object_is_staged_by_the_caller(
         store, monkeypatch):
     # torch's own writer would copy each CUDA storage to the host on the staging thread,
