@@ -71,14 +71,16 @@ class RecordCollector:
             return
         # An untyped storage: on the CPU, or on a CUDA device when the skeleton came from
         # save_skeleton (torch's _save moves others to the CPU first).
+        # With `scanned`, it must be a storage save() saw: else a tensor of the object was
+        # given another one since.
         scanned = self.watch.scanned
+        if scanned is not None and scanned.storages.get(id(data)) is not data:
+            raise TornCheckpointError(
+                f"a tensor was given another storage after save() (record {name!r})")
         if data.device.type != "cpu":
             if not _device.is_device_storage(data):  # pragma: no cover - no such device here
                 data = data.cpu()
             else:
-                if scanned is not None and scanned.storages.get(id(data)) is not data:
-                    raise TornCheckpointError(
-                        f"a tensor was given another storage after save() (record {name!r})")
                 self.on_device.add(len(self.records))
                 self.sources.append(data)
                 self.records.append((name, 0, int(nbytes), self.watch.defer(data, int(nbytes))))
@@ -93,13 +95,8 @@ class RecordCollector:
 
     def _copied_at_save(self, name: str, storage: Any, nbytes: int,
                         scanned: _staging.Scanned) -> bool:
-        """True if save() copied `storage` (the record is those bytes); raises if it is not
-        a storage save() saw: a tensor of the object was given another one since."""
-        sid = id(storage)
-        if scanned.storages.get(sid) is not storage:
-            raise TornCheckpointError(
-                f"a tensor was given another storage after save() (record {name!r})")
-        copied = scanned.copied.get(sid)
+        """True if save() copied `storage` (a storage it saw: the record is those bytes)."""
+        copied = scanned.copied.get(id(storage))
         if copied is None:
             return False
         offset, size = copied
