@@ -294,7 +294,7 @@ def _fake_device(monkeypatch, scanned: bool) -> FakeDevice:
         original(self, name, data, nbytes)
         if isinstance(self.sources[-1], bytes):
             return
-        n, address, size, deferred = self.records[-1]
+        n, _, size, deferred = self.records[-1]
         if self.watch.scanned is not None and not deferred:
             return  # copied into host memory at save()
         self.records[-1] = (n, 0, size, deferred)
