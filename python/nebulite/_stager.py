@@ -17,13 +17,13 @@ from typing import Any, Callable
 
 
 class Job:
-    """One piece of work; `result` or `error` once `done` is set."""
+    """One piece of work; `result` or `error` once `done` (wait for it with drain())."""
 
     __slots__ = ("fn", "done", "result", "error")
 
     def __init__(self, fn: Callable[[], Any]) -> None:
         self.fn: Callable[[], Any] | None = fn
-        self.done = threading.Event()
+        self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
 
@@ -103,5 +103,5 @@ class Stager:
                 job.fn = None
                 with self._cv:
                     self._busy = False
-                    job.done.set()
+                    job.done = True
                     self._cv.notify_all()

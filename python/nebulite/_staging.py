@@ -72,6 +72,7 @@ MAX_COPIED_BYTES = 64 << 20
 #: Immutable values a scanned object may hold besides str, int, float, complex, bool,
 #: bytes and None.
 _ATOMS = (torch.dtype, torch.device, torch.Size, torch.layout, torch.memory_format)
+_TENSOR, _PARAMETER = torch.Tensor, torch.nn.Parameter
 
 
 def _remember(optimizer: torch.optim.Optimizer) -> None:
@@ -148,7 +149,7 @@ class Scanned:
         self.layouts = layouts  # of the tensors on copied storages, at save()
         # The CUDA devices of the safe storages met (their copies are issued later).
         self.devices = [torch.device("cuda", i) for i in range(cuda_devices.bit_length())
-                        if cuda_devices >> i & 1]
+                        if cuda_devices >> i & 1] if cuda_devices else []
         # device -> the event save() recorded on its current stream (see nebulite._device)
         self.marks: dict[torch.device, Any] = {}
 
@@ -195,8 +196,8 @@ def scan(obj: Any) -> Scanned | None:
     text), or None where it must be staged there whole."""
     if not any_safe():
         return None
-    found = _core.scan(obj, torch.Tensor, torch.nn.Parameter, collections.OrderedDict, _ATOMS,
-                       _safe_storages, _MAX_DEPTH, MAX_COPIED_BYTES)
+    found = _core.scan(obj, _TENSOR, _PARAMETER, collections.OrderedDict, _ATOMS, _safe_storages,
+                       _MAX_DEPTH, MAX_COPIED_BYTES)
     return None if found is None else Scanned(*found)
 
 

@@ -23,6 +23,8 @@ import zlib
 from dataclasses import dataclass, field
 from typing import Any, Iterable
 
+import torch
+
 from . import _core, _device, _dist, _pinned, _stager, _staging, _waiting
 from ._save_dir import Placeholders
 from ._config import Config, is_store_url, parse_path, parse_seconds, read_threads, store_exists
@@ -448,7 +450,7 @@ class _Session:
         out = []
         for tag, version, name, records in pending:
             if isinstance(records, _stager.Job):
-                records.done.wait()
+                assert records.done  # the stager was drained
                 e, records.error = records.error, None
                 if e is not None:
                     if isinstance(e, TornCheckpointError):
@@ -485,7 +487,12 @@ class _Session:
     def waits_for_staging(self, tag: str, version: str) -> bool:
         """True if committing (tag, version) must wait for the barrier: deferred copies of
         it may be running, or earlier commits wait (commits keep their order)."""
-        return bool(self.held_commits) or any((t, v) == (tag, version) for t, v, _, _ in self.pending)
+        if self.held_commits:
+            return True
+        for t, v, _, _ in self.pending:
+            if t == tag and v == version:
+                return True
+        return False
 
     def take_background_errors(self) -> list[tuple[str, str]]:
         torn, self.staging_errors = self.staging_errors, []
@@ -652,6 +659,12 @@ def _forget_session_in_child() -> None:
 os.register_at_fork(after_in_child=_forget_session_in_child)
 
 
+#: False where this torch has no CUDA: then nothing is ever pinned, and a save asks no more.
+_CUDA_BUILT = bool(torch.backends.cuda.is_built())
+#: The object names that passed _validate (a save checks each name once per process).
+_valid_names: set[str] = set()
+
+
 def _validate(value: Any, what: str) -> str:
     if not isinstance(value, str):
         raise InvalidArgumentTypeError(f"{what} must be a string, got {type(value).__name__}")
@@ -708,21 +721,29 @@ class Checkpoint:
         safe in the memory tier. Persistence happens in the background."""
         if self.tag == "":
             raise InvalidArgumentError("cannot save into the empty checkpoint handle (tag '')")
-        _validate(name, "name")
+        if name not in _valid_names:
+            _validate(name, "name")
+            if len(_valid_names) < 4096:  # names recur from one checkpoint to the next
+                _valid_names.add(name)
         caller = sys._getframe(1)
         # DeepSpeed's engine wrote an empty placeholder at `path` for its own readers.
         placeholder = (caller.f_locals.get("path")
                        if caller.f_globals.get("__name__") in _FULL_UNPICKLING_CALLERS else None)
         with _lock:
             s = _require_session()
-            if not s.coordinated:  # else raised by every rank at once, at the commit
-                s.raise_background_errors()
             v = s.open.get(self.tag)
             if v is None:
+                # What failed in the background since the last checkpoint is raised by the
+                # first save of the next one (by every rank at once, at the commit, with
+                # coordinated ranks): the saves of its other objects ask nothing of the engine
+                # (an agent's is a request).
+                if not s.coordinated:
+                    s.raise_background_errors()
                 v = s.new_version(self.tag)
             if name in v.names:
                 raise InvalidArgumentError(f"{name!r} was already saved in checkpoint {self.tag!r}")
-            s.pin_memory_if_cuda()  # once, when this process has started using CUDA
+            if _CUDA_BUILT:
+                s.pin_memory_if_cuda()  # once, when this process has started using CUDA
             # Asynchronous staging records what to copy here and leaves the rest to the
             # staging thread (see nebulite._staging), unless the object is too large for the
             # memory tier (the engine streams it from here, or refuses it).
