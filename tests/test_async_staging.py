@@ -536,3 +536,38 @@ def test_a_failure_on_the_staging_thread_fails_that_checkpoint_only(store, monke
     nm.wait_staged()
     assert nm.get_checkpoint(tag="bad").tag == ""
     assert nm.get_latest_checkpoint().tag == "good"
+
+
+def test_an_object_the_staging_thread_streams_has_its_checkpoint_persisted(store):
+    """With the memory tier full of a checkpoint kept in memory only, an object staged after
+    save() returned goes straight to the store (streamed): its checkpoint is committed and
+    persisted at the barrier, as a synchronous save's is, and step() raises nothing."""
+    model = torch.nn.Linear(1024, 1024)  # 4 MiB of weight, 4 MiB of momentum
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step() -> None:
+        model(torch.randn(2, 1024)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    # Room for one checkpoint and half; the first is persisted (due), the rest are not.
+    nm.init(persistent_storage_path=store, async_staging=True, persistent_time_interval=3600,
+            memory_buffer_size=12 << 20, num_of_version_in_retention=5)
+    step()
+    saved = {}
+    for i in range(4):
+        ck = nm.Checkpoint(f"c{i}", num_files=2)
+        ck.save("model", model.state_dict())
+        ck.save("optimizer", opt.state_dict())
+        saved[f"c{i}"] = _clone(model.state_dict())
+        step()  # the barrier commits what the staging thread staged, streamed or not
+    nm.flush_persistence()
+    assert nm.get_latest_checkpoint().tag == "c3"
+    kept = [e["tag"] for e in nm.list_checkpoints()]
+    for tag in kept:  # (memory-only ones make room for newer ones)
+        got = nm.get_checkpoint(tag=tag).load("model")
+        for name, t in saved[tag].items():
+            assert torch.equal(got[name], t), (tag, name)
+    nm.api._reset_for_tests()
+    persisted = {e["tag"] for e in nm.list_checkpoints(persist_path=store)}
+    assert persisted - {"c0"}, persisted  # a streamed one, beside the first (due)

@@ -313,6 +313,20 @@ def test_a_background_error_on_one_rank_is_raised_by_every_rank(store):
     assert results[0]["raised"] == results[1]["raised"]
 
 
+def test_an_object_streamed_after_save_fails_its_checkpoint_on_that_rank_only(store):
+    """Coordinated ranks with asynchronous staging commit a checkpoint to memory only; an
+    object that rank 1's staging thread then streams to the store (its memory tier was full)
+    fails that checkpoint on rank 1, reported by its next call, never inside a step, and the
+    ranks still agree on a latest checkpoint both hold."""
+    results = _run_ranks("streamed_async", store, 2)
+    assert results[0]["raised"] is None, results
+    assert results[1]["raised"].startswith("PersistError"), results
+    assert "did not fit in the memory tier" in results[1]["raised"], results
+    assert len(results[1]["committed"]) < len(results[0]["committed"]), results
+    assert results[0]["latest"] == results[1]["latest"] != "", results
+    assert all(r["latest_loads"] for r in results), results
+
+
 def test_each_rank_reads_only_its_own_share_at_resume(store):
     """Resuming with several ranks, each rank checks (and loads) its own files only: the
     bytes it reads stay close to its own share, whatever the number of ranks and versions."""

@@ -59,6 +59,7 @@ class RecordCollector:
         self.on_device: set[int] = set()  # indexes of records held by a CUDA storage
         self.job: Any = None  # the sealing of its device copies (nebulite._device.Sealer.Job)
         self.checked = False  # its deferred tensors were checked at a barrier
+        self.streamed = False  # staged straight to the store (the memory tier was full)
         self.watch = watch if watch is not None else _staging.Watch()
 
     def write_record(self, name: str, data: Any, nbytes: int) -> None:

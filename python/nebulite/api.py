@@ -218,6 +218,7 @@ class _Session:
         self.open.clear()
         self.pending.clear()
         self.held_commits.clear()
+        self.streamed.clear()
         self._shared_memory = None
 
     def pin_memory_if_cuda(self) -> bool:
@@ -262,6 +263,9 @@ class _Session:
         # commits, (tag, version, seq, persist), that wait for them; torn checkpoints.
         self.pending: list[tuple[str, str, str, Any]] = []
         self.held_commits: list[tuple[str, str, int, bool]] = []
+        # (tag, version) -> the name of an object of it that the staging thread streamed to
+        # the store (the memory tier was full): the version is persisted when it commits.
+        self.streamed: dict[tuple[str, str], str] = {}
         self.staging_errors: list[tuple[str, str]] = []
         self.sealer = _device.Sealer()  # seals objects whose copies from a device landed
         self.stager = _stager.Stager()  # the rest of asynchronous saves (nebulite._staging)
@@ -388,6 +392,9 @@ class _Session:
         failed: dict[tuple[str, str], str] = {}
         self.stager.drain(stop=not on_device)
         pending = self._finish_scanned(pending, torn, failed)
+        for tag, version, name, records in pending:
+            if records.streamed:
+                self.streamed.setdefault((tag, version), name)
         try:
             self.engine.wait_staged()
         except BaseException:
@@ -423,23 +430,46 @@ class _Session:
         landing = [e for e in pending if e[3].job is not None and not e[3].job.done.is_set()]
         for errors, code in ((torn, "Torn"), (failed, "Staging")):
             for (tag, version), why in errors.items():
-                self.engine.abandon(tag, version)
-                if tag in self.open and self.open[tag].version == version:
-                    del self.open[tag]
-                self.placeholders.abandoned(tag)
-                log.error("nebulite: %s", why)
-                self.staging_errors.append((code, why))
+                self._fail_staged(tag, version, code, why)
         waiting = {(e[0], e[1]) for e in landing}
         for i, (tag, version, seq, persist) in enumerate(held):
             if (tag, version) in waiting:  # commits keep their order: the rest waits too
                 self.held_commits = held[i:] + self.held_commits
                 break
-            if (tag, version) not in torn and (tag, version) not in failed:
-                self.engine.commit(tag, version, seq, persist)
-                self.placeholders.committed(tag, version, self.rank)
+            if (tag, version) in torn or (tag, version) in failed:
+                continue
+            streamed = self.streamed.pop((tag, version), None)
+            if streamed is not None and not persist:
+                # Its object is in the store only, so the version is persisted, as the
+                # commit of a synchronous save that streamed one does. Coordinated ranks
+                # decided together at the commit not to persist it, and a version is
+                # persisted by every rank or none: this rank's part fails.
+                if self.coordinated:
+                    self._fail_staged(tag, version, "Staging", (
+                        f"checkpoint {tag!r} ({version}) was not committed on rank "
+                        f"{self.rank}: object {streamed!r} did not fit in the memory tier "
+                        "when it was staged and went to the store, and the ranks had "
+                        "committed it to memory only; give the memory tier more room "
+                        "(memory_buffer_size) or persist more often "
+                        "(persistent_time_interval)"))
+                    continue
+                persist = True
+                self.last_persist = time.monotonic()
+            self.engine.commit(tag, version, seq, persist)
+            self.placeholders.committed(tag, version, self.rank)
         self.pending = landing + self.pending
         if not on_device:
             self.sealer.drain()  # every job is done: its thread ends, as the stager's did
+
+    def _fail_staged(self, tag: str, version: str, code: str, why: str) -> None:
+        """Drops a version that asynchronous staging failed; the next call raises `why`."""
+        self.streamed.pop((tag, version), None)
+        self.engine.abandon(tag, version)
+        if tag in self.open and self.open[tag].version == version:
+            del self.open[tag]
+        self.placeholders.abandoned(tag)
+        log.error("nebulite: %s", why)
+        self.staging_errors.append((code, why))
 
     def _finish_scanned(self, pending: list[tuple[str, str, str, Any]],
                         torn: dict[tuple[str, str], str],
@@ -971,7 +1001,7 @@ def _stage_device(engine: Any, sealer: _device.Sealer, tag: str, version: str, n
         if after:
             _device.order_current_after(after)  # the copies to the host below come after
         records.move_to_host()
-        engine.stage(tag, version, name, records.records, persist_now)
+        records.streamed = bool(engine.stage(tag, version, name, records.records, persist_now)[2])
         return None
 
 
@@ -999,7 +1029,7 @@ def _stage_scanned(engine: Any, sealer: _device.Sealer, tag: str, version: str, 
         records.job = _stage_device(engine, sealer, tag, version, name, records, persist_now,
                                     after=scanned.marks)
     else:
-        engine.stage(tag, version, name, records.records, persist_now)
+        records.streamed = bool(engine.stage(tag, version, name, records.records, persist_now)[2])
     return records
 
 

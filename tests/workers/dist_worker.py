@@ -280,6 +280,49 @@ def run_rank_error(store: str, rank: int, world: int, port: int) -> dict:
     os._exit(0)  # t1 and t2 are not to be persisted: do not wait for them at exit
 
 
+def run_streamed_async(store: str, rank: int, world: int, port: int) -> dict:
+    """Asynchronous staging with coordinated ranks and a memory tier that rank 1's state
+    outgrows: an object its staging thread streams to the store fails that checkpoint on
+    rank 1 (the ranks had committed it to memory only); no step raises."""
+    import torch.distributed as dist
+
+    _init_dist(rank, world, port)
+    width = 1024 if rank == 1 else 64  # rank 1: 4 MiB of weight and 4 of momentum
+    model = torch.nn.Linear(width, width)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step() -> None:
+        model(torch.randn(2, width)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    nm.init(persistent_storage_path=store, async_staging=True, persistent_time_interval=3600,
+            memory_buffer_size=12 << 20, num_of_version_in_retention=5, agent=False,
+            commit_timeout=5)  # (a version rank 1 lacks is waited for in the store that long)
+    step()
+    saved = {}
+    for i in range(4):
+        ck = nm.Checkpoint(f"c{i}", num_files=2)
+        ck.save("model", model.state_dict())
+        ck.save("optimizer", opt.state_dict())
+        saved[f"c{i}"] = {k: v.clone() for k, v in model.state_dict().items()}
+        step()  # the barrier: never raises
+    out: dict = {"rank": rank, "raised": None}
+    try:
+        nm.wait_staged()
+    except Exception as e:  # noqa: BLE001 - reported to the parent
+        out["raised"] = f"{type(e).__name__}: {e}"
+    out["committed"] = sorted(e["tag"] for e in nm.list_checkpoints())
+    latest = nm.get_latest_checkpoint()  # one both ranks can load
+    out["latest"] = latest.tag
+    got = latest.load("model")
+    out["latest_loads"] = all(torch.equal(got[k], v) for k, v in saved[latest.tag].items())
+    dist.barrier()
+    nm.shutdown()
+    dist.destroy_process_group()
+    return out
+
+
 def run_shard_save(store: str, rank: int, world: int, port: int, size_mb: int) -> dict:
     import torch.distributed as dist
 
@@ -348,6 +391,8 @@ def main() -> None:
         out = run_misstep(store, rank, world, port)
     elif mode == "rank_error":
         out = run_rank_error(store, rank, world, port)
+    elif mode == "streamed_async":
+        out = run_streamed_async(store, rank, world, port)
     elif mode == "shard_save":
         out = run_shard_save(store, rank, world, port, int(sys.argv[6]))
     elif mode == "shard_resume":
