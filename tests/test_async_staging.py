@@ -571,3 +571,39 @@ def test_an_object_the_staging_thread_streams_has_its_checkpoint_persisted(store
     nm.api._reset_for_tests()
     persisted = {e["tag"] for e in nm.list_checkpoints(persist_path=store)}
     assert persisted - {"c0"}, persisted  # a streamed one, beside the first (due)
+
+
+def test_a_commit_that_fails_at_the_barrier_fails_that_checkpoint_only(store, monkeypatch):
+    """The barrier commits what it waited for; a commit the engine refuses there fails that
+    checkpoint (the next call raises why) and neither raises inside step() nor holds back
+    the commits after it."""
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _stepped_model()
+    s = nm.api._session
+
+    class Refusing:
+        """The session's engine, refusing to commit the checkpoint 'bad'."""
+
+        def __init__(self, engine):
+            self._engine = engine
+
+        def __getattr__(self, name):
+            return getattr(self._engine, name)
+
+        def commit(self, tag, *args):
+            if tag == "bad":
+                raise nm.errors.FailedPreconditionError("the engine refused it")
+            return self._engine.commit(tag, *args)
+
+    monkeypatch.setattr(s, "engine", Refusing(s.engine))
+    nm.Checkpoint("bad").save("model", model.state_dict())
+    nm.Checkpoint("good").save("model", model.state_dict())
+    good = _clone(model.state_dict())
+    _step(model, opt)  # the barrier commits both, or tries to
+    with pytest.raises(nm.errors.PersistError, match="the engine refused it"):
+        nm.Checkpoint("next").save("model", model.state_dict())
+    assert nm.get_checkpoint(tag="bad").tag == ""
+    got = nm.get_checkpoint(tag="good").load("model")
+    for name, t in good.items():
+        assert torch.equal(got[name], t), name
+    monkeypatch.undo()

@@ -455,7 +455,12 @@ class _Session:
                     continue
                 persist = True
                 self.last_persist = time.monotonic()
-            self.engine.commit(tag, version, seq, persist)
+            try:
+                self.engine.commit(tag, version, seq, persist)
+            except NebuliteError as e:  # raised by the next call, never inside a step
+                self._fail_staged(tag, version, "Staging", (
+                    f"checkpoint {tag!r} ({version}) was not committed: {e}"))
+                continue
             self.placeholders.committed(tag, version, self.rank)
         self.pending = landing + self.pending
         if not on_device:
