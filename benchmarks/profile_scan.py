@@ -2,6 +2,7 @@
 
     python benchmarks/profile_scan.py                      # syn-256m
     python benchmarks/profile_scan.py --workload gpt2-124m --reps 9
+    python benchmarks/profile_scan.py --agent              # the engine in the node agent
 
 With ``async_staging=True`` a save does one thing per tensor on the caller's thread: the
 scan (``nebulite._staging.scan``, in the extension), which copies the object's containers
@@ -38,6 +39,7 @@ import torch  # noqa: E402
 import nebulite as nm  # noqa: E402
 from nebulite import _staging  # noqa: E402
 from suite import workloads  # noqa: E402
+from suite.agents import stop_agents  # noqa: E402
 
 
 def _ms(xs: list[float]) -> str:
@@ -109,15 +111,20 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--workload", default="syn-256m")
     ap.add_argument("--reps", type=int, default=7)
+    ap.add_argument("--agent", action="store_true", help="the engine in a node agent (embedded "
+                    "by default)")
     args = ap.parse_args()
     state, opt = workloads.build(args.workload)
     nbytes = workloads.state_bytes(state)
     print(f"{args.workload}: {nbytes / 2**20:.0f} MiB, {len(workloads.tensors(state))} tensors, "
           f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; medians of {args.reps}, ms")
     d = tempfile.mkdtemp(prefix="nebulite-profile-scan-")
+    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
+    os.environ["NEBULITE_RUNTIME_DIR"] = runtime
     try:
         nm.init(os.path.join(d, "ckpt"), persistent_time_interval=0, num_of_version_in_retention=1,
-                memory_buffer_size=max(64 << 20, 3 * nbytes), agent=False, async_staging=True)
+                memory_buffer_size=max(64 << 20, 3 * nbytes), agent=args.agent,
+                agent_idle_exit=5, async_staging=True)
         try:
             opt.step()  # no gradients: nothing changes; nebulite learns the optimizer's storages
             nm.api._session.engine.wait_prefaulted()  # type: ignore[union-attr]
@@ -126,7 +133,9 @@ def main() -> int:
         finally:
             nm.shutdown()
     finally:
+        stop_agents(runtime)  # else it would outlive this program until its idle exit
         shutil.rmtree(d, ignore_errors=True)
+        shutil.rmtree(runtime, ignore_errors=True)
     print(f"  {'object':12s} {'warm':>8s} {'cold':>8s} {'in loop':>8s} {'its CPU':>8s}  found")
     for k, (name, (warm, cold, what)) in enumerate(alone.items()):
         loop = per.get(k, [])
