@@ -125,14 +125,17 @@ def test_profile_save_smoke(new_agents: Callable[[], list[psutil.Process]]) -> N
     _assert_agents_stopped(new_agents)
 
 
-def test_profile_scan_smoke() -> None:
-    result = _run([str(BENCH / "profile_scan.py"), "--workload", "syn-tiny", "--reps", "1"])
+@pytest.mark.parametrize("agent", [False, True], ids=["embedded", "agent"])
+def test_profile_scan_smoke(agent: bool, new_agents: Callable[[], list[psutil.Process]]) -> None:
+    result = _run([str(BENCH / "profile_scan.py"), "--workload", "syn-tiny", "--reps", "1"]
+                  + (["--agent"] if agent else []))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:]}
     for name in ("model", "optimizer", "meta"):  # every object scanned, in each setting
         warm, cold, loop, cpu = (float(x) for x in rows[name][1:5])
         assert min(warm, cold, loop, cpu) > 0 and "tensors" in " ".join(rows[name][5:])
     assert "save() blocking" in result.stdout
+    _assert_agents_stopped(new_agents)
 
 
 def test_profile_device_host_smoke() -> None:
