@@ -538,10 +538,12 @@ def test_a_failure_on_the_staging_thread_fails_that_checkpoint_only(store, monke
     assert nm.get_latest_checkpoint().tag == "good"
 
 
-def test_an_object_the_staging_thread_streams_has_its_checkpoint_persisted(store):
+@pytest.mark.parametrize("commit", ["by_num_files", "explicit_after_step"])
+def test_an_object_the_staging_thread_streams_has_its_checkpoint_persisted(store, commit):
     """With the memory tier full of a checkpoint kept in memory only, an object staged after
     save() returned goes straight to the store (streamed): its checkpoint is committed and
-    persisted at the barrier, as a synchronous save's is, and step() raises nothing."""
+    persisted (at the barrier, or by a commit() after it), as a synchronous save's is, and
+    step() raises nothing."""
     model = torch.nn.Linear(1024, 1024)  # 4 MiB of weight, 4 MiB of momentum
     opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
 
@@ -556,11 +558,14 @@ def test_an_object_the_staging_thread_streams_has_its_checkpoint_persisted(store
     step()
     saved = {}
     for i in range(4):
-        ck = nm.Checkpoint(f"c{i}", num_files=2)
+        ck = nm.Checkpoint(f"c{i}", num_files=2 if commit == "by_num_files" else -2)
         ck.save("model", model.state_dict())
         ck.save("optimizer", opt.state_dict())
         saved[f"c{i}"] = _clone(model.state_dict())
         step()  # the barrier commits what the staging thread staged, streamed or not
+        if commit == "explicit_after_step":
+            assert ck.commit() is True
+    assert not nm.api._session.streamed  # nothing is kept of a committed version
     nm.flush_persistence()
     assert nm.get_latest_checkpoint().tag == "c3"
     kept = [e["tag"] for e in nm.list_checkpoints()]

@@ -823,6 +823,7 @@ class Checkpoint:
                 # the memory and files its earlier objects took (else they would hold the
                 # budget for good), and the next save of the tag starts a new one.
                 s.engine.abandon(self.tag, v.version)
+                s.streamed.pop((self.tag, v.version), None)
                 del s.open[self.tag]
                 s.placeholders.abandoned(self.tag)
                 raise
@@ -908,6 +909,7 @@ class Checkpoint:
             # Committed by the barrier once its deferred copies landed unchanged.
             s.held_commits.append((self.tag, v.version, seq, persist))
         else:
+            s.streamed.pop((self.tag, v.version), None)  # (known to must_persist above)
             s.engine.commit(self.tag, v.version, seq, persist)
             s.placeholders.committed(self.tag, v.version, s.rank)
         if persist:
