@@ -218,7 +218,6 @@ class _Session:
         self.open.clear()
         self.pending.clear()
         self.held_commits.clear()
-        self.streamed.clear()
         self._shared_memory = None
 
     def pin_memory_if_cuda(self) -> bool:
@@ -263,9 +262,6 @@ class _Session:
         # commits, (tag, version, seq, persist), that wait for them; torn checkpoints.
         self.pending: list[tuple[str, str, str, Any]] = []
         self.held_commits: list[tuple[str, str, int, bool]] = []
-        # (tag, version) -> the name of an object of it that the staging thread streamed to
-        # the store (the memory tier was full): the version is persisted when it commits.
-        self.streamed: dict[tuple[str, str], str] = {}
         self.staging_errors: list[tuple[str, str]] = []
         self.sealer = _device.Sealer()  # seals objects whose copies from a device landed
         self.stager = _stager.Stager()  # the rest of asynchronous saves (nebulite._staging)
@@ -392,9 +388,6 @@ class _Session:
         failed: dict[tuple[str, str], str] = {}
         self.stager.drain(stop=not on_device)
         pending = self._finish_scanned(pending, torn, failed)
-        for tag, version, name, records in pending:
-            if records.streamed:
-                self.streamed.setdefault((tag, version), name)
         try:
             self.engine.wait_staged()
         except BaseException:
@@ -423,6 +416,7 @@ class _Session:
                 failed.setdefault((tag, version), (
                     f"checkpoint {tag!r} ({version}) was not committed: staging object "
                     f"{name!r} from the device failed: {job.error}"))
+        self._persist_streamed(pending, held, torn, failed)
         # A version goes only once every copy into its memory has landed.
         for tag, version, _, records in pending:
             if records.job is not None and (tag, version) in failed:
@@ -438,23 +432,6 @@ class _Session:
                 break
             if (tag, version) in torn or (tag, version) in failed:
                 continue
-            streamed = self.streamed.pop((tag, version), None)
-            if streamed is not None and not persist:
-                # Its object is in the store only, so the version is persisted, as the
-                # commit of a synchronous save that streamed one does. Coordinated ranks
-                # decided together at the commit not to persist it, and a version is
-                # persisted by every rank or none: this rank's part fails.
-                if self.coordinated:
-                    self._fail_staged(tag, version, "Staging", (
-                        f"checkpoint {tag!r} ({version}) was not committed on rank "
-                        f"{self.rank}: object {streamed!r} did not fit in the memory tier "
-                        "when it was staged and went to the store, and the ranks had "
-                        "committed it to memory only; give the memory tier more room "
-                        "(memory_buffer_size) or persist more often "
-                        "(persistent_time_interval)"))
-                    continue
-                persist = True
-                self.last_persist = time.monotonic()
             try:
                 self.engine.commit(tag, version, seq, persist)
             except NebuliteError as e:  # raised by the next call, never inside a step
@@ -466,9 +443,35 @@ class _Session:
         if not on_device:
             self.sealer.drain()  # every job is done: its thread ends, as the stager's did
 
+    def _persist_streamed(self, pending: list[tuple[str, str, str, Any]],
+                          held: list[tuple[str, str, int, bool]],
+                          torn: dict[tuple[str, str], str],
+                          failed: dict[tuple[str, str], str]) -> None:
+        """A held commit to memory only of a version that the staging thread streamed an
+        object of (the memory tier was full) persists it, in `held`: the object is in the
+        store only, as a synchronous save's commit does. Coordinated ranks agreed at the
+        commit to keep it in memory, and a version is persisted by every rank or none: the
+        version fails on this rank, in `failed`. (A version committed after the staging is
+        persisted by its commit: the engine's must_persist knows.)"""
+        streamed = {(tag, version): name for tag, version, name, records in pending
+                    if records.streamed}
+        for i, (tag, version, seq, persist) in enumerate(held):
+            name = streamed.get((tag, version))
+            if name is None or persist or (tag, version) in torn:
+                continue
+            if self.coordinated:
+                failed.setdefault((tag, version), (
+                    f"checkpoint {tag!r} ({version}) was not committed on rank {self.rank}: "
+                    f"object {name!r} did not fit in the memory tier when it was staged and "
+                    "went to the store, and the ranks had committed it to memory only; give "
+                    "the memory tier more room (memory_buffer_size) or persist more often "
+                    "(persistent_time_interval)"))
+            else:
+                held[i] = (tag, version, seq, True)
+                self.last_persist = time.monotonic()
+
     def _fail_staged(self, tag: str, version: str, code: str, why: str) -> None:
         """Drops a version that asynchronous staging failed; the next call raises `why`."""
-        self.streamed.pop((tag, version), None)
         self.engine.abandon(tag, version)
         if tag in self.open and self.open[tag].version == version:
             del self.open[tag]
@@ -823,7 +826,6 @@ class Checkpoint:
                 # the memory and files its earlier objects took (else they would hold the
                 # budget for good), and the next save of the tag starts a new one.
                 s.engine.abandon(self.tag, v.version)
-                s.streamed.pop((self.tag, v.version), None)
                 del s.open[self.tag]
                 s.placeholders.abandoned(self.tag)
                 raise
@@ -909,7 +911,6 @@ class Checkpoint:
             # Committed by the barrier once its deferred copies landed unchanged.
             s.held_commits.append((self.tag, v.version, seq, persist))
         else:
-            s.streamed.pop((self.tag, v.version), None)  # (known to must_persist above)
             s.engine.commit(self.tag, v.version, seq, persist)
             s.placeholders.committed(self.tag, v.version, s.rank)
         if persist:
