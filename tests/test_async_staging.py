@@ -3,8 +3,10 @@ checkpoint holds exactly the state at save() time."""
 
 from __future__ import annotations
 
+import os
 import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -611,3 +613,70 @@ def test_a_commit_that_fails_at_the_barrier_fails_that_checkpoint_only(store, mo
     for name, t in good.items():
         assert torch.equal(got[name], t), name
     monkeypatch.undo()
+
+
+@pytest.mark.parametrize("also", ["nothing", "an_object_staged_on_the_callers_thread"])
+def test_the_commit_asks_the_engine_whether_to_persist_only_what_it_alone_knows(store, also):
+    """A checkpoint whose objects all wait for the staging thread is committed by the
+    barrier, which learns itself whether one went to the store (see the test above): its
+    commit asks the engine nothing (an agent's answer is a round trip on the caller's
+    thread). An object staged before save() returned is the engine's to know of."""
+    nm.init(persistent_storage_path=store, async_staging=True, persistent_time_interval=3600)
+    model, opt = _stepped_model()
+    nm.Checkpoint("first").save("model", model.state_dict())  # persisted: due
+    _step(model, opt)
+    s = nm.api._session
+    asked = []
+
+    class Recording:
+        def __init__(self, engine):
+            self._engine = engine
+
+        def __getattr__(self, name):
+            asked.append(name)
+            return getattr(self._engine, name)
+
+    s.engine = Recording(s.engine)
+    try:
+        ck = nm.Checkpoint("second", num_files=3 if also == "nothing" else 4)
+        ck.save("model", model.state_dict())
+        ck.save("optimizer", opt.state_dict())
+        if also != "nothing":
+            ck.save("custom", {"c": Custom(torch.ones(2))})  # the scan does not take it
+        ck.save("meta", {"step": 2})
+        assert ("must_persist" in asked) == (also != "nothing"), asked
+        expected = _clone(model.state_dict())
+        _step(model, opt)  # the barrier commits it
+    finally:
+        s.engine = s.engine._engine
+    got = nm.get_checkpoint(tag="second")
+    for name, t in expected.items():
+        assert torch.equal(got.load("model")[name], t), name
+    assert got.load("meta") == {"step": 2}
+
+
+def test_a_background_failure_is_raised_by_the_first_save_of_the_next_checkpoint(store):
+    """What failed while persisting is raised by the next checkpoint's first save, which then
+    stages nothing; the checkpoint after it is saved whole."""
+    nm.init(persistent_storage_path=store, async_staging=True, persistent_time_interval=0)
+    model, opt = _stepped_model()
+    with open(os.path.join(store, "bad"), "w") as f:  # where its folder would go
+        f.write("in the way")
+    nm.Checkpoint("bad").save("model", model.state_dict())
+    _step(model, opt)
+    deadline = time.monotonic() + 60
+    while not any(r["tag"] == "bad" and r["outcome"].startswith("failed") for r in nm.history()):
+        assert time.monotonic() < deadline, nm.history()
+        time.sleep(0.05)
+    with pytest.raises(nm.errors.PersistError, match="bad"):
+        nm.Checkpoint("next").save("model", model.state_dict())
+    assert nm.api._session.pending == []  # nothing of it is staged
+    ck = nm.Checkpoint("next", num_files=2)
+    ck.save("model", model.state_dict())
+    ck.save("optimizer", opt.state_dict())
+    expected = _clone(model.state_dict())
+    _step(model, opt)
+    got = nm.get_latest_checkpoint()
+    assert got.tag == "next" and got.list_names() == ["model", "optimizer"]
+    for name, t in expected.items():
+        assert torch.equal(got.load("model")[name], t), name

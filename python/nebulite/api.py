@@ -532,6 +532,18 @@ class _Session:
                 return True
         return False
 
+    def barrier_decides_persist(self, v: _OpenVersion) -> bool:
+        """True if the barrier learns whether `v` must be persisted, so that its commit
+        need not ask the engine (an agent's answer is a request): each object saved in `v`
+        waits for the staging thread (the barrier then holds the commit, and persists the
+        version if one of them went to the store, see _persist_streamed). Not with
+        coordinated ranks, which agree on persisting at the commit."""
+        if self.coordinated:
+            return False
+        waiting = sum(1 for t, version, _, job in self.pending
+                      if version == v.version and t == v.tag and isinstance(job, _stager.Job))
+        return waiting == len(v.names)
+
     def take_background_errors(self) -> list[tuple[str, str]]:
         torn, self.staging_errors = self.staging_errors, []
         return torn + [(str(c), str(m)) for c, m in self.engine.take_errors()]
@@ -864,7 +876,10 @@ class Checkpoint:
         due = bool(s.root) and (
             s.last_persist is None or now - s.last_persist >= s.config.persistent_time_interval
         )
-        must_here = int(v is not None and s.engine.must_persist(self.tag, v.version))
+        # An object streamed to the store must be persisted. The engine knows of the objects
+        # staged so far; of those the staging thread stages, the barrier learns it itself.
+        must_here = int(v is not None and not s.barrier_decides_persist(v)
+                        and s.engine.must_persist(self.tag, v.version))
         if s.rank == 0 and isinstance(s.engine, _core.Engine):
             # The commit order continues after this session's commits and the store's as
             # far as they are known without a request (read at init; then each commit in
