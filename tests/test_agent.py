@@ -12,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -381,3 +382,60 @@ def test_a_one_gib_state_through_a_64_mib_budget(agent_env, store):
     nebulite.flush_persistence()
     got = nebulite.get_latest_checkpoint().load("state")
     assert torch.equal(got["a"], state["a"])
+
+
+def test_a_checkpoint_asks_the_agent_for_errors_only_once_one_was_counted(agent_env, store):
+    """With asynchronous staging, a checkpoint's saves make no request of the agent on the
+    caller's thread while nothing failed in the background: the agent counts each engine's
+    errors in memory its trainers map, and the first save asks for them only when the count
+    moved. A failure is still raised by that save."""
+    nebulite.init(persistent_storage_path=store, agent=True, async_staging=True,
+                  persistent_time_interval=0, memory_buffer_size=64 << 20)
+    model = torch.nn.Linear(64, 64)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step() -> None:
+        model(torch.randn(2, 64)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()  # the optimizer's state is known from here on
+    engine = nebulite.api._session.engine
+    caller, asked = threading.get_ident(), []
+    call = engine._call
+
+    def recording(op, *args, **kwargs):
+        if threading.get_ident() == caller:
+            asked.append(op)
+        return call(op, *args, **kwargs)
+
+    engine._call = recording
+    nebulite.flush_persistence()  # takes the errors (none): the count is known from here on
+    asked.clear()
+    for i in range(3):
+        ck = nebulite.Checkpoint(f"good{i}", num_files=2)
+        ck.save("model", model.state_dict())
+        ck.save("optimizer", opt.state_dict())
+        assert asked == [], (i, asked)
+        step()  # the barrier commits it
+        nebulite.flush_persistence()  # (asks: this is not a save)
+        asked.clear()
+    with open(os.path.join(store, "bad"), "w") as f:  # where its folder would go
+        f.write("in the way")
+    nebulite.Checkpoint("bad").save("model", model.state_dict())
+    step()
+    deadline = time.monotonic() + HANG_TIMEOUT
+    while not any(r["tag"] == "bad" and r["outcome"].startswith("failed")
+                  for r in nebulite.history()):
+        assert time.monotonic() < deadline, nebulite.history()
+        time.sleep(0.05)
+    asked.clear()
+    with pytest.raises(nebulite.PersistError, match="bad"):
+        nebulite.Checkpoint("next").save("model", model.state_dict())
+    assert asked == ["take_errors"]
+    asked.clear()
+    nebulite.Checkpoint("after").save("model", model.state_dict())
+    assert asked == []
+    step()
+    assert nebulite.get_latest_checkpoint().tag == "after"

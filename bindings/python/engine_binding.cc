@@ -174,7 +174,7 @@ void RegisterEngine(nb::module_& m) {
           [](const std::string& persist_root, uint32_t rank, uint32_t world_size,
              uint64_t memory_bytes, bool prefault, int copy_threads, int io_threads, bool direct_io,
              uint32_t retention, double commit_timeout, double reserve_timeout, bool write_history,
-             std::shared_ptr<Arena> arena, uint32_t file_mode) {
+             std::shared_ptr<Arena> arena, uint32_t file_mode, uintptr_t error_count) {
             EngineOptions o;
             o.persist_root = persist_root;
             o.rank = rank;
@@ -190,6 +190,7 @@ void RegisterEngine(nb::module_& m) {
             o.reserve_timeout_seconds = WaitSeconds(reserve_timeout, "reserve_timeout");
             o.write_history = write_history;
             o.arena = std::move(arena);
+            o.error_count = reinterpret_cast<uint64_t*>(error_count);
             if (IsStoreUrl(persist_root)) {
               o.storage_override = ValueOrThrow(OpenStoreAt(persist_root, PosixOptions{}));
             }
@@ -204,7 +205,10 @@ void RegisterEngine(nb::module_& m) {
           nb::arg("memory_bytes") = 0, nb::arg("prefault") = false, nb::arg("copy_threads") = 0,
           nb::arg("io_threads") = 0, nb::arg("direct_io") = true, nb::arg("retention") = 0,
           nb::arg("commit_timeout") = 600.0, nb::arg("reserve_timeout") = 600.0,
-          nb::arg("write_history") = true, nb::arg("arena") = nb::none(), nb::arg("file_mode") = 0)
+          nb::arg("write_history") = true, nb::arg("arena") = nb::none(), nb::arg("file_mode") = 0,
+          nb::arg("error_count") = 0,
+          "error_count: the address of an 8-byte counter to which the engine adds 1 for "
+          "each error it reports (see EngineOptions::error_count); 0 for none")
       .def(
           "stage",
           [](Engine& e, const std::string& tag, const std::string& version, const std::string& name,

@@ -55,6 +55,11 @@ struct EngineOptions {
   // An arena shared with other engines (several ranks of one node drawing on one
   // budget); memory_bytes and prefault are then ignored.
   std::shared_ptr<Arena> arena;
+  // Where the engine counts the errors it reports for TakeErrors(): it adds 1 to this
+  // 8-byte-aligned counter, atomically, after each. In memory shared with the process that
+  // takes them, that process tells without asking that there is nothing to take. It must
+  // stay valid while the engine's threads may run (the life of the process, in practice).
+  uint64_t* error_count = nullptr;
 };
 
 // Limits of EngineOptions (Open() refuses anything else with InvalidArgument).

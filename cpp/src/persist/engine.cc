@@ -7,6 +7,8 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
+#include <cstdint>
 #include <cstring>
 
 #include "nebulite/data_file_writer.h"
@@ -698,6 +700,11 @@ Result<std::unique_ptr<Engine>> Engine::Open(const EngineOptions& options) {
   }
   if (!(o.commit_timeout_seconds >= 0) || !(o.reserve_timeout_seconds >= 0)) {
     return Status::InvalidArgument("timeouts must be non-negative numbers");
+  }
+  if (reinterpret_cast<uintptr_t>(o.error_count) %
+          std::atomic_ref<uint64_t>::required_alignment !=
+      0) {
+    return Status::InvalidArgument("error_count must be 8-byte aligned");
   }
   if (o.memory_bytes == 0) o.memory_bytes = DefaultMemoryBytes();
   std::shared_ptr<Storage> storage = o.storage_override;

@@ -7,7 +7,9 @@
 // is immutable after construction or thread-safe itself.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <vector>
@@ -50,7 +52,11 @@ struct EngineCore {
   std::unique_ptr<Persister> persister;
   std::unique_ptr<CommitCoordinator> coordinator;  // rank 0 with a store only
 
-  void ReportLocked(Status st) { errors.push_back(std::move(st)); }
+  void ReportLocked(Status st) {
+    errors.push_back(std::move(st));
+    if (opts.error_count != nullptr)
+      std::atomic_ref<uint64_t>(*opts.error_count).fetch_add(1, std::memory_order_release);
+  }
 };
 
 }  // namespace nebulite

@@ -289,6 +289,36 @@ TEST(EngineFailureTest, MemoryChangedAfterTheSaveIsNeverCommitted) {
   EXPECT_FALSE(Val(s.fault->Exists(DataFilePath("t", "v", 0, "n"))));
 }
 
+// Each error reported is counted where the options say (a trainer tells from that count,
+// in memory an agent shares with it, whether there is anything to take).
+TEST(EngineFailureTest, EachErrorReportedIsCountedWhereTheOptionsSay) {
+  FaultyStore s;
+  alignas(8) uint64_t count = 0;
+  auto o = OptionsOn(s);
+  o.error_count = &count;
+  auto e = Open(o);
+  for (const char* tag : {"a", "b"}) {
+    auto obj = MakeObject({100, 70000}, 1);
+    ASSERT_TRUE(e->Stage(tag, "v", "n", obj.records).ok());
+    ASSERT_TRUE(e->Commit(tag, "v", tag[0] == 'a' ? 1 : 2, /*persist=*/false).ok());
+    auto lease = e->Pin(tag, "v", "n");
+    ASSERT_TRUE(lease.ok());
+    uint8_t* p = const_cast<uint8_t*>((*lease)->data()) + (*lease)->records()[1].offset + 99;
+    *p ^= 0x40;  // the write finds it changed: an error
+  }
+  auto counted = [&] { return std::atomic_ref<uint64_t>(count).load(); };
+  EXPECT_EQ(counted(), 0u);
+  ASSERT_TRUE(e->Persist("a", "v").ok());
+  EXPECT_FALSE(e->Flush(30).ok());
+  const uint64_t first = counted();
+  EXPECT_GE(first, 1u);
+  EXPECT_EQ(first, e->TakeErrors().size());
+  ASSERT_TRUE(e->Persist("b", "v").ok());
+  EXPECT_FALSE(e->Flush(30).ok());
+  EXPECT_GT(counted(), first);
+  EXPECT_EQ(counted() - first, e->TakeErrors().size());
+}
+
 // Pin() is for committed versions: an object reserved but not sealed is not pinnable (it
 // neither waits nor touches memory a discard gives back).
 TEST(EngineFailureTest, PinOnlyServesCommittedVersions) {
@@ -335,6 +365,10 @@ TEST(EngineFailureTest, RefusesBadOptionsAndNames) {
   EXPECT_EQ(Engine::Open(o).status().code(), StatusCode::kInvalidArgument);
   o = Options("");
   o.commit_timeout_seconds = std::nan("");
+  EXPECT_EQ(Engine::Open(o).status().code(), StatusCode::kInvalidArgument);
+  alignas(8) char counts[16] = {};
+  o = Options("");
+  o.error_count = reinterpret_cast<uint64_t*>(counts + 4);  // not 8-byte aligned
   EXPECT_EQ(Engine::Open(o).status().code(), StatusCode::kInvalidArgument);
   auto e = Open(Options(""));
   auto obj = MakeObject({10}, 0);

@@ -26,7 +26,7 @@ import warnings
 from typing import Any
 
 from .. import _core, _pinned, errors
-from . import protocol
+from . import error_counts, protocol
 
 log = logging.getLogger("nebulite.agent")
 
@@ -265,7 +265,7 @@ class AgentEngine:
         self._job_error: BaseException | None = None
         with self._lock:
             hello = {"op": "hello", "version": protocol.VERSION, "rank": rank,
-                     "world_size": world_size, "pid": os.getpid()}
+                     "world_size": world_size, "pid": os.getpid(), "error_counts": True}
             if run_id and run_id.isascii() and run_id.isalnum() and len(run_id) <= 64:
                 hello["run"] = run_id  # the agent keeps the run alive while it works for it
             sock.settimeout(self._timeout)  # bounds each send and receive
@@ -280,6 +280,18 @@ class AgentEngine:
         if not fds:
             raise errors.NebuliteError("the agent sent no memory to map")
         fd = fds[0]
+        # The page where the agent counts this engine's errors: take_errors asks only when
+        # the count moved (see nebulite.agent.error_counts).
+        self._error_counts: error_counts.Reader | None = None
+        self._errors_seen: int | None = None  # the count before the last take_errors
+        slot = reply.get("error_slot")
+        if len(fds) > 1 and isinstance(slot, int) and not isinstance(slot, bool):
+            try:
+                self._error_counts = error_counts.Reader(fds[1], slot)
+            except (ValueError, OSError) as e:  # it asks every time
+                log.warning("nebulite: cannot map the agent's error counts: %s", e)
+        for extra in fds[1:]:
+            os.close(extra)
         self.memory_capacity = int(reply["capacity"])
         self.agent_pid = int(reply["pid"])
         # Pages are mapped as copies first touch them (populating the whole mapping now
@@ -514,10 +526,30 @@ class AgentEngine:
         return _Lease(self, int(r["lease"]), self._base + int(r["offset"]), r["records"])
 
     def take_errors(self) -> list[tuple[str, str]]:
+        """What failed in the background. Asks the agent only when its count of this
+        engine's errors moved since the last take, or the connection has something to
+        read (the agent went away: the request says so)."""
         if self._job_error is not None:  # a deferred copy or seal failed
             e, self._job_error = self._job_error, None
             raise e
-        return [tuple(e) for e in self._call("take_errors")["errors"]]
+        counts = self._error_counts
+        count = counts.count() if counts is not None else None
+        if count is not None and count == self._errors_seen and self._quiet():
+            return []
+        taken = [tuple(e) for e in self._call("take_errors")["errors"]]
+        self._errors_seen = count  # counted before the take: a later error moves it
+        return taken  # type: ignore[return-value]
+
+    def _quiet(self) -> bool:
+        """True if the agent is not known lost and nothing waits to be read on its
+        connection: an agent that went away reads as its end (and a reply to another
+        thread's request as something too: then the caller asks, and learns the same)."""
+        if self._lost is not None:
+            return False
+        try:
+            return not select.select([self._sock], [], [], 0)[0]
+        except (OSError, ValueError):  # closed meanwhile: lost
+            return False
 
     def history(self) -> list[dict[str, Any]]:
         r = self._call("history")

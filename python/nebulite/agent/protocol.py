@@ -3,7 +3,9 @@
 Every message is a 4-byte little-endian length followed by that many bytes of UTF-8
 JSON (an object). Requests carry ``op``; replies carry ``ok`` and either the result
 fields or ``error: {type, message}``. The reply to ``hello`` also carries the arena's
-file descriptor (SCM_RIGHTS). Messages that are not JSON objects (or nest deeper than
+file descriptor (SCM_RIGHTS), and, to a ``hello`` with ``error_counts: true``, a second one:
+the page of error counts (see error_counts.py), with ``error_slot``, the index of its
+engine's 8-byte counter there. Messages that are not JSON objects (or nest deeper than
 the JSON decoder can follow) are protocol errors: the agent answers with an error and
 keeps serving. A length over MAX_MESSAGE is answered with an error too, and ends the
 connection: the stream cannot be resynchronised. No reply exceeds MAX_MESSAGE either.

@@ -29,7 +29,7 @@ from typing import Any
 
 from .. import _core, errors
 from .._config import parse_path
-from . import protocol
+from . import error_counts, protocol
 
 log = logging.getLogger("nebulite.agent")
 
@@ -71,6 +71,7 @@ class Agent:
         self.idle_exit = idle_exit
         # Memory is taken as saves need it (and reused), unless asked to pre-fault it all.
         self.arena = _core.Arena.create(memory or _core.default_memory_bytes(), prefault, True)
+        self.error_counts = error_counts.Counts()  # what each engine reported, for trainers
         self.engines: dict[tuple[int, int], Any] = {}
         self.users: dict[tuple[int, int], int] = {}  # trainers attached to each engine
         self.pinned: dict[tuple[int, int], int] = {}  # leases held on each engine's objects
@@ -106,7 +107,8 @@ class Agent:
                     self.root, rank=rank, world_size=world_size, arena=self.arena,
                     io_threads=self.io_threads, retention=self.retention,
                     commit_timeout=self.commit_timeout, reserve_timeout=self.reserve_timeout,
-                    file_mode=self.file_mode)
+                    file_mode=self.file_mode,
+                    error_count=self.error_counts.address(self.error_counts.slot(key)))
             return self.engines[key]
 
     def release_engine(self, key: tuple[int, int]) -> None:
@@ -439,8 +441,13 @@ class Agent:
                 self._learn_store_order()
                 c.key = (rank, world)
                 c.rank = rank
-                return ({"ok": True, "capacity": self.arena.capacity, "pid": os.getpid()},
-                        [self.arena.fd])
+                reply = {"ok": True, "capacity": self.arena.capacity, "pid": os.getpid()}
+                with self.lock:
+                    slot = self.error_counts.slot(c.key)
+                if r.get("error_counts") is True and slot is not None:
+                    reply["error_slot"] = slot  # its count, in the page of the second fd
+                    return reply, [self.arena.fd, self.error_counts.fd]
+                return reply, [self.arena.fd]
             if c.engine is None:
                 raise errors.FailedPreconditionError("say hello first")
             e = c.engine
