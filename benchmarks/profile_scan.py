@@ -3,6 +3,7 @@
     python benchmarks/profile_scan.py                      # syn-256m
     python benchmarks/profile_scan.py --workload gpt2-124m --reps 9
     python benchmarks/profile_scan.py --agent              # the engine in the node agent
+    python benchmarks/profile_scan.py --agent --gap 0.05   # ... idle 50 ms between checkpoints
 
 With ``async_staging=True`` a save does one thing per tensor on the caller's thread: the
 scan (``nebulite._staging.scan``, in the extension), which copies the object's containers
@@ -16,8 +17,10 @@ state this prints the scan's time in three settings, each the median of ``--reps
   ``flush_persistence()`` between them, as bench_async_staging.py runs them, with the
   thread's CPU time beside the wall time (equal: the scan computes, it does not wait);
 
-then the whole save's blocking time in that loop. Run it before and after a change to
-the scan; keep its output with the change.
+then the whole save's blocking time in that loop. ``--gap`` sleeps that long before each
+checkpoint, as a trainer computes between two: an agent left idle answers a request more
+slowly than one that just flushed. Run it before and after a change to the scan; keep its
+output with the change.
 """
 
 from __future__ import annotations
@@ -72,8 +75,8 @@ def isolated(state: dict[str, Any], reps: int) -> dict[str, tuple[list[float], l
     return out
 
 
-def in_loop(state: dict[str, Any], opt: torch.optim.Optimizer, root: str,
-            reps: int) -> tuple[dict[int, list[tuple[float, float]]], list[float]]:
+def in_loop(state: dict[str, Any], opt: torch.optim.Optimizer, root: str, reps: int,
+            gap: float = 0.0) -> tuple[dict[int, list[tuple[float, float]]], list[float]]:
     """(per object's position in the checkpoint: [(wall, cpu)] of its scan, blocking times)."""
     scans: list[tuple[float, float]] = []
     scan = _staging.scan
@@ -91,6 +94,7 @@ def in_loop(state: dict[str, Any], opt: torch.optim.Optimizer, root: str,
     try:
         for i in range(reps + 1):  # the first warms the memory tier: left out
             scans.clear()
+            time.sleep(gap)
             t0 = time.perf_counter()
             ck = nm.Checkpoint(f"scan{i}", num_files=len(state))
             for name, obj in state.items():
@@ -113,11 +117,14 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=7)
     ap.add_argument("--agent", action="store_true", help="the engine in a node agent (embedded "
                     "by default)")
+    ap.add_argument("--gap", type=float, default=0.0, help="seconds to sleep before each "
+                    "checkpoint of the loop (default 0)")
     args = ap.parse_args()
     state, opt = workloads.build(args.workload)
     nbytes = workloads.state_bytes(state)
     print(f"{args.workload}: {nbytes / 2**20:.0f} MiB, {len(workloads.tensors(state))} tensors, "
-          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; medians of {args.reps}, ms")
+          f"{os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.2f}; medians of {args.reps}, ms"
+          + (f"; {args.gap * 1e3:.0f} ms idle before each checkpoint" if args.gap else ""))
     d = tempfile.mkdtemp(prefix="nebulite-profile-scan-")
     runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
     os.environ["NEBULITE_RUNTIME_DIR"] = runtime
@@ -129,7 +136,7 @@ def main() -> int:
             opt.step()  # no gradients: nothing changes; nebulite learns the optimizer's storages
             nm.api._session.engine.wait_prefaulted()  # type: ignore[union-attr]
             alone = isolated(state, args.reps)
-            per, blocking = in_loop(state, opt, d, args.reps)
+            per, blocking = in_loop(state, opt, d, args.reps, args.gap)
         finally:
             nm.shutdown()
     finally:

@@ -128,8 +128,9 @@ def test_profile_save_smoke(new_agents: Callable[[], list[psutil.Process]]) -> N
 @pytest.mark.parametrize("agent", [False, True], ids=["embedded", "agent"])
 def test_profile_scan_smoke(agent: bool, new_agents: Callable[[], list[psutil.Process]]) -> None:
     result = _run([str(BENCH / "profile_scan.py"), "--workload", "syn-tiny", "--reps", "1"]
-                  + (["--agent"] if agent else []))
+                  + (["--agent", "--gap", "0.01"] if agent else []))
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert ("10 ms idle before each checkpoint" in result.stdout) == agent
     rows = {line.split()[0]: line.split() for line in result.stdout.splitlines()[2:]}
     for name in ("model", "optimizer", "meta"):  # every object scanned, in each setting
         warm, cold, loop, cpu = (float(x) for x in rows[name][1:5])
