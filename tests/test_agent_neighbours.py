@@ -246,3 +246,50 @@ def test_engines_of_departed_trainers_are_released(agent_env, store):
     assert _threads(pid) <= baseline
     nebulite.Checkpoint("b").save("x", torch.ones(10))  # the trainer's own engine serves on
     assert nebulite.get_latest_checkpoint().tag == "b"
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_an_agent_stopped_between_checkpoints_fails_the_next_one_not_the_step(agent_env, store,
+                                                                             fallback):
+    """With asynchronous staging a save may return before anything asked the agent: an agent
+    stopped since the last checkpoint is found by the staging thread. That checkpoint fails;
+    the optimizer's step raises nothing; the next call raises AgentLostError, or, with
+    agent_fallback, switches to the embedded engine and reports the failed checkpoint, and
+    the saves after it go on there."""
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20,
+                  async_staging=True, agent_fallback=fallback)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step() -> None:
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    step()
+    step()
+    nebulite.Checkpoint("before").save("model", model.state_dict())
+    step()
+    nebulite.flush_persistence()
+    pid = nebulite.api._session.engine.agent_pid
+    nebulite.api._session.engine._timeout = 1.0  # see the test above
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        nebulite.Checkpoint("during").save("model", model.state_dict())
+        step()  # its barrier: the staging thread found the agent lost
+    finally:
+        os.kill(pid, signal.SIGCONT)
+    if not fallback:
+        with pytest.raises(errors.AgentLostError):
+            nebulite.Checkpoint("after").save("model", model.state_dict())
+        return
+    with pytest.warns(RuntimeWarning, match="embedded"):
+        with pytest.raises(errors.PersistError, match="'during'.*has not answered 'reserve'"):
+            nebulite.Checkpoint("after").save("model", model.state_dict())
+    nebulite.Checkpoint("after").save("model", model.state_dict())
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    step()
+    latest = nebulite.get_latest_checkpoint()
+    assert latest.tag == "after"
+    for k, v in expected.items():
+        assert torch.equal(latest.load("model")[k], v), k

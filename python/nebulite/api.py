@@ -471,8 +471,12 @@ class _Session:
                 self.last_persist = time.monotonic()
 
     def _fail_staged(self, tag: str, version: str, code: str, why: str) -> None:
-        """Drops a version that asynchronous staging failed; the next call raises `why`."""
-        self.engine.abandon(tag, version)
+        """Drops a version that asynchronous staging failed; the next call raises `why`.
+        Raises nothing (the optimizer's barrier runs it)."""
+        try:
+            self.engine.abandon(tag, version)
+        except NebuliteError as e:  # an agent lost: the next call raises that too
+            log.warning("nebulite: abandoning checkpoint %r (%s): %s", tag, version, e)
         if tag in self.open and self.open[tag].version == version:
             del self.open[tag]
         self.placeholders.abandoned(tag)
@@ -545,8 +549,9 @@ class _Session:
         return waiting == len(v.names)
 
     def take_background_errors(self) -> list[tuple[str, str]]:
-        torn, self.staging_errors = self.staging_errors, []
-        return torn + [(str(c), str(m)) for c, m in self.engine.take_errors()]
+        taken = [(str(c), str(m)) for c, m in self.engine.take_errors()]  # (if it raises,
+        torn, self.staging_errors = self.staging_errors, []  # these wait for the next call)
+        return torn + taken
 
     def raise_background_errors(self) -> None:
         """Raises what failed in the background on this rank. With several coordinated
