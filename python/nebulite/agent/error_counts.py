@@ -8,9 +8,10 @@ asked: a checkpoint's first save, which raises what failed in the background, th
 no request in the usual case, where nothing failed (an agent that was idle between two
 checkpoints takes about a third of a millisecond to answer one).
 
-A counter only grows, and is its (rank, world size)'s for the agent's life: an engine
-closed and opened again goes on counting where the last one stopped. The page stays mapped
-as long as the agent lives: an engine's threads may outlive the engine.
+A counter only grows, and is its (rank, world size)'s for the process's life: an engine
+closed and opened again goes on counting where the last one stopped. The page is the
+process's (``counts()``) and stays mapped until it exits: an engine's threads may outlive
+the engine, and the agent object.
 """
 
 from __future__ import annotations
@@ -19,12 +20,14 @@ import ctypes
 import mmap
 import os
 import struct
+import threading
 
 SLOTS = mmap.PAGESIZE // 8
 
 
 class Counts:
-    """The agent's page: a counter per (rank, world size), handed out as engines open."""
+    """The agent's page: a counter per (rank, world size), handed out as engines open.
+    Thread-safe."""
 
     def __init__(self) -> None:
         self.fd = os.memfd_create("nebulite-error-counts", os.MFD_CLOEXEC)
@@ -32,19 +35,34 @@ class Counts:
         self._page = mmap.mmap(self.fd, mmap.PAGESIZE)
         self._address = ctypes.addressof(ctypes.c_char.from_buffer(self._page))
         self._slots: dict[tuple[int, int], int] = {}
+        self._mu = threading.Lock()
 
     def slot(self, key: tuple[int, int]) -> int | None:
         """The counter of `key`, kept for good; None once every slot is taken (its trainers
         then ask every time)."""
-        if key not in self._slots:
-            if len(self._slots) >= SLOTS:
-                return None
-            self._slots[key] = len(self._slots)
-        return self._slots[key]
+        with self._mu:
+            if key not in self._slots:
+                if len(self._slots) >= SLOTS:
+                    return None
+                self._slots[key] = len(self._slots)
+            return self._slots[key]
 
     def address(self, slot: int | None) -> int:
         """Where the engine of `slot` counts (0: nowhere)."""
         return 0 if slot is None else self._address + 8 * slot
+
+
+_counts: Counts | None = None
+_lock = threading.Lock()
+
+
+def counts() -> Counts:
+    """The agent process's page, made on first use and never unmapped."""
+    global _counts
+    with _lock:
+        if _counts is None:
+            _counts = Counts()
+        return _counts
 
 
 class Reader:

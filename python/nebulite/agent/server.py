@@ -71,7 +71,7 @@ class Agent:
         self.idle_exit = idle_exit
         # Memory is taken as saves need it (and reused), unless asked to pre-fault it all.
         self.arena = _core.Arena.create(memory or _core.default_memory_bytes(), prefault, True)
-        self.error_counts = error_counts.Counts()  # what each engine reported, for trainers
+        self.error_counts = error_counts.counts()  # what each engine reported, for trainers
         self.engines: dict[tuple[int, int], Any] = {}
         self.users: dict[tuple[int, int], int] = {}  # trainers attached to each engine
         self.pinned: dict[tuple[int, int], int] = {}  # leases held on each engine's objects
@@ -442,8 +442,7 @@ class Agent:
                 c.key = (rank, world)
                 c.rank = rank
                 reply = {"ok": True, "capacity": self.arena.capacity, "pid": os.getpid()}
-                with self.lock:
-                    slot = self.error_counts.slot(c.key)
+                slot = self.error_counts.slot(c.key)
                 if r.get("error_counts") is True and slot is not None:
                     reply["error_slot"] = slot  # its count, in the page of the second fd
                     return reply, [self.arena.fd, self.error_counts.fd]
