@@ -549,8 +549,9 @@ class _Session:
         return waiting == len(v.names)
 
     def take_background_errors(self) -> list[tuple[str, str]]:
-        taken = [(str(c), str(m)) for c, m in self.engine.take_errors()]  # (if it raises,
-        torn, self.staging_errors = self.staging_errors, []  # these wait for the next call)
+        # The engine's first: if taking them raises, the staging errors wait for the next call.
+        taken = [(str(c), str(m)) for c, m in self.engine.take_errors()]
+        torn, self.staging_errors = self.staging_errors, []
         return torn + taken
 
     def raise_background_errors(self) -> None:

@@ -71,6 +71,8 @@ class Reader:
     def __init__(self, fd: int, slot: int) -> None:
         if not 0 <= slot < SLOTS:
             raise ValueError(f"error count slot {slot} outside the page")
+        if os.fstat(fd).st_size < mmap.PAGESIZE:  # reading past its end would be SIGBUS
+            raise ValueError("the error counts' file is smaller than a page")
         self._page = mmap.mmap(fd, mmap.PAGESIZE, mmap.MAP_SHARED, mmap.PROT_READ)
         self._offset = 8 * slot
 
