@@ -439,3 +439,25 @@ def test_a_checkpoint_asks_the_agent_for_errors_only_once_one_was_counted(agent_
     assert asked == []
     step()
     assert nebulite.get_latest_checkpoint().tag == "after"
+
+
+def test_a_trainer_with_more_than_1024_descriptors_open_talks_to_the_agent(agent_env, store):
+    """Large jobs hold many descriptors (data loader workers, pipes, collectives' sockets):
+    the connection to the agent may be numbered 1024 or more, past what select() takes."""
+    code = f"""
+        import os, resource, torch, nebulite
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft < 2048 and (hard == resource.RLIM_INFINITY or hard >= 2048):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (2048, hard))
+        held = [os.open(os.devnull, os.O_RDONLY) for _ in range(1100)]
+        nebulite.init(persistent_storage_path={store!r}, agent=True, async_staging=True,
+                      memory_buffer_size=64 << 20)
+        assert nebulite.api._session.engine._sock.fileno() >= 1024
+        nebulite.Checkpoint("a").save("x", torch.full((10,), 3.0))
+        nebulite.flush_persistence()
+        assert torch.equal(nebulite.get_latest_checkpoint().load("x"), torch.full((10,), 3.0))
+        nebulite.shutdown()
+    """
+    r = _child(code)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert _committed(store) == ["a"]

@@ -12,6 +12,7 @@ import ctypes
 import fcntl
 import hashlib
 import logging
+import math
 import mmap
 import os
 import select
@@ -344,9 +345,7 @@ class AgentEngine:
         deadline = start + min(wait + self._timeout, _MAX_WAIT)
         while True:
             now = time.monotonic()
-            ready, _, _ = select.select([self._sock], [], [],
-                                        max(0.0, min(self._timeout, deadline - now)))
-            if ready:
+            if _readable(self._sock, min(self._timeout, deadline - now)):
                 return
             state = _process_state(self.agent_pid)
             if time.monotonic() >= deadline or state in ("T", "t", "Z", "X", None):
@@ -547,7 +546,7 @@ class AgentEngine:
         if self._lost is not None:
             return False
         try:
-            return not select.select([self._sock], [], [], 0)[0]
+            return not _readable(self._sock, 0.0)
         except (OSError, ValueError):  # closed meanwhile: lost
             return False
 
@@ -585,6 +584,15 @@ class AgentEngine:
         except OSError:
             pass
         self._sock.close()
+
+
+def _readable(sock: socket.socket, timeout: float) -> bool:
+    """True once `sock` has something to read, or its peer closed it, within `timeout`
+    seconds. poll(), not select(): a trainer may hold more than 1024 descriptors, and
+    select() takes none numbered past 1023."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    return bool(poller.poll(max(0, math.ceil(timeout * 1000))))
 
 
 def _process_state(pid: int) -> str | None:
