@@ -4,6 +4,7 @@ the runtime directory or on the store's lock files."""
 
 from __future__ import annotations
 
+import argparse
 import os
 import shutil
 import signal
@@ -293,3 +294,75 @@ def test_an_agent_stopped_between_checkpoints_fails_the_next_one_not_the_step(ag
     assert latest.tag == "after"
     for k, v in expected.items():
         assert torch.equal(latest.load("model")[k], v), k
+
+
+@pytest.mark.parametrize("fallback", [False, True])
+def test_an_agent_stopped_while_it_seals_deferred_copies_fails_the_checkpoint_not_the_step(
+        agent_env, store, monkeypatch, fallback):
+    """An object that save() stages on the caller's thread (one the scan does not take: here
+    it holds an argparse.Namespace) leaves the copies of its optimizer-held storages, and its
+    seal, to the client's copy thread. The agent stops while that thread seals: the step's
+    barrier raises nothing; that checkpoint fails, and the next call says so (AgentLostError,
+    or, with agent_fallback, PersistError naming the checkpoint once the embedded engine took
+    over; the saves after it go on there)."""
+    nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20,
+                  async_staging=True, agent_fallback=fallback)
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step() -> None:
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    def state() -> dict:
+        return {"model": model.state_dict(), "args": argparse.Namespace(lr=0.1)}
+
+    step()
+    step()
+    assert nebulite._staging.scan(state()) is None  # staged on the caller's thread
+    nebulite.Checkpoint("before").save("state", state())
+    step()
+    nebulite.flush_persistence()
+    engine = nebulite.api._session.engine
+    pid = engine.agent_pid
+    engine._timeout = 1.0  # see the tests above
+    copy_many = client._core.copy_many
+    saved = threading.Event()
+    stopped = []
+
+    def stop_then_copy(*args, **kwargs):
+        if threading.current_thread() is threading.main_thread():
+            return copy_many(*args, **kwargs)  # the copies save() makes itself
+        saved.wait(60)  # a bound on a hang, not a timing
+        os.kill(pid, signal.SIGSTOP)  # once save() returned, before the seal
+        stopped.append(pid)
+        return copy_many(*args, **kwargs)
+
+    monkeypatch.setattr(client._core, "copy_many", stop_then_copy)
+    try:
+        nebulite.Checkpoint("during").save("state", state())
+        saved.set()
+        step()  # its barrier waits for the seal, which found the agent lost
+    finally:
+        saved.set()
+        if stopped:
+            os.kill(pid, signal.SIGCONT)
+        monkeypatch.setattr(client._core, "copy_many", copy_many)
+    assert stopped, "the copies were not deferred to the client's thread"
+    if not fallback:
+        with pytest.raises(errors.AgentLostError):
+            nebulite.Checkpoint("after").save("state", state())
+        return
+    with pytest.warns(RuntimeWarning, match="embedded"):
+        with pytest.raises(errors.PersistError, match="'during'.*has not answered 'seal'"):
+            nebulite.Checkpoint("after").save("state", state())
+    nebulite.Checkpoint("after").save("state", state())
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    step()
+    latest = nebulite.get_latest_checkpoint()
+    assert latest.tag == "after"
+    loaded = latest.load("state", weights_only=False)  # it holds a Namespace
+    assert loaded["args"].lr == 0.1
+    for k, v in expected.items():
+        assert torch.equal(loaded["model"][k], v), k

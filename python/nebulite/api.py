@@ -377,7 +377,9 @@ class _Session:
         for them and the host does not; see nebulite._device), fails
         each checkpoint a deferred tensor of which changed since save() (it is abandoned,
         never committed, and a TornCheckpointError waits in staging_errors for the next
-        call), commits the others whose commit waited, and lets the sources go."""
+        call), commits the others whose commit waited, and lets the sources go. With
+        `on_device` (inside the optimizer's step) it raises no NebuliteError: what fails
+        fails its versions, and the next call raises why."""
         if not self.pending and not self.held_commits:
             if not on_device:
                 self.sealer.drain()  # its thread, kept across the optimizer's barriers, ends
@@ -390,11 +392,21 @@ class _Session:
         pending = self._finish_scanned(pending, torn, failed)
         try:
             self.engine.wait_staged()
-        except BaseException:
+        except BaseException as e:
             self.sealer.drain()  # no copy may still land in what is abandoned
-            for tag, version, _, _ in held:
-                self.engine.abandon(tag, version)
-            raise
+            if not on_device or not isinstance(e, NebuliteError):
+                for tag, version, _, _ in held:
+                    self.engine.abandon(tag, version)
+                raise
+            # The engine's deferred copies or seals failed (its agent was lost, say), and
+            # it dropped what was queued behind them: at the optimizer's barrier, every
+            # version waiting here fails instead, and the next call raises why.
+            for key in dict.fromkeys([(t, v) for t, v, _, _ in pending + held]):
+                self._fail_staged(*key, "Torn" if key in torn else "Staging", torn.get(
+                    key) or failed.get(key) or (
+                    f"checkpoint {key[0]!r} ({key[1]}) was not committed: staging it "
+                    f"failed: {e}"))
+            return
         for tag, version, name, records in pending:
             if records.job is not None:
                 records.job.copies.order_after()  # what the device does next waits for them
