@@ -317,8 +317,11 @@ def test_an_object_streamed_after_save_fails_its_checkpoint_on_that_rank_only(st
     """Coordinated ranks with asynchronous staging commit a checkpoint to memory only; an
     object that rank 1's staging thread then streams to the store (its memory tier was full)
     fails that checkpoint on rank 1, reported by its next call, never inside a step, and the
-    ranks still agree on a latest checkpoint both hold."""
+    ranks still agree on a latest checkpoint both hold, without trying to persist (and waiting
+    in the store for) one that rank 1 lacks."""
     results = _run_ranks("streamed_async", store, 2)
+    for r in results:
+        assert not any("could not be persisted" in m for m in r["persisting"]), r
     assert results[0]["raised"] is None, results
     assert results[1]["raised"].startswith("PersistError"), results
     assert "did not fit in the memory tier" in results[1]["raised"], results

@@ -1337,7 +1337,9 @@ def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoi
     every file of each candidate. Coordinated ranks each check only their own share of the
     files (the ranks of the version congruent to theirs), newest first, and agree with one
     small collective per round: each proposes its newest usable commit; when the proposals
-    differ, the oldest of them bounds the next round."""
+    differ, the oldest of them bounds the next round. Once they agree, a second one says
+    whether every rank can load it: a version held in memory that the ranks share through
+    the store is persisted only then, when every rank holds it."""
     s = _session
     rank = s.rank if s is not None else 0
     if not agree or s is None or not s.coordinated:
@@ -1350,16 +1352,19 @@ def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoi
 
     def usable(e: dict[str, Any]) -> bool:
         if e["tier"] == "memory":
-            # Held in memory: loadable by every rank when they share one node's agent, or
-            # once it is committed in the store too (every rank persists it now and waits).
-            # Without a store, each rank loads what it holds itself, and an object another
-            # rank holds is a clear error.
-            if shared or e.get("in_store") or not s.root:
-                return True
-            return _persist_and_wait(s, e) is not None
+            return True  # held here, committed: whether every rank holds it is agreed below
         world = int(e["world_size"])
         mine = [r for r in range(world) if r % s.world_size == s.rank]
         return _verify(e["root"], e, mine, prefetch_rank=s.rank if s.rank < world else None)
+
+    def loadable_everywhere(e: dict[str, Any]) -> bool:
+        # Held in memory by every rank (agreed): loadable by every rank when they share one
+        # node's agent, or once it is committed in the store too (every rank persists it
+        # now and waits). Without a store, each rank loads what it holds itself, and an
+        # object another rank holds is a clear error.
+        if e["tier"] != "memory" or shared or e.get("in_store") or not s.root:
+            return True
+        return _persist_and_wait(s, e) is not None
 
     bound: int | None = None
     while True:
@@ -1367,9 +1372,18 @@ def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoi
                       if (bound is None or int(e["seq"]) <= bound) and usable(e)), None)
         proposal = int(found["seq"]) if found is not None else 0
         newest, minus_oldest = _dist.all_reduce_max([proposal, -proposal])
-        if newest == -minus_oldest:
-            return _handle(found) if found is not None else Checkpoint("", _committed=None)
-        bound = -minus_oldest
+        if newest != -minus_oldest:
+            bound = -minus_oldest
+            continue
+        if found is None:
+            return Checkpoint("", _committed=None)
+        # Every rank holds this version (in its memory or the store): only now is one held
+        # in memory persisted, so that no rank waits in the store for a version that another
+        # rank never committed. Every rank takes part, whatever tier it found it in.
+        (failed,) = _dist.all_reduce_max([int(not loadable_everywhere(found))])
+        if not failed:
+            return _handle(found)
+        bound = int(found["seq"]) - 1
 
 
 def _persist_and_wait(s: _Session, e: dict[str, Any]) -> dict[str, Any] | None:

@@ -25,6 +25,7 @@ Prints one JSON line "RESULT {...}" on success and exits 0.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -298,7 +299,7 @@ def run_streamed_async(store: str, rank: int, world: int, port: int) -> dict:
 
     nm.init(persistent_storage_path=store, async_staging=True, persistent_time_interval=3600,
             memory_buffer_size=12 << 20, num_of_version_in_retention=5, agent=False,
-            commit_timeout=5)  # (a version rank 1 lacks is waited for in the store that long)
+            commit_timeout=5)  # bounds the wait for a version rank 1 lacks, were it tried
     step()
     saved = {}
     for i in range(4):
@@ -313,8 +314,16 @@ def run_streamed_async(store: str, rank: int, world: int, port: int) -> dict:
     except Exception as e:  # noqa: BLE001 - reported to the parent
         out["raised"] = f"{type(e).__name__}: {e}"
     out["committed"] = sorted(e["tag"] for e in nm.list_checkpoints())
-    latest = nm.get_latest_checkpoint()  # one both ranks can load
+    persisting: list[str] = []  # what persisting a candidate at resume ran into
+    handler = logging.Handler()
+    handler.emit = lambda r: persisting.append(r.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("nebulite").addHandler(handler)
+    try:
+        latest = nm.get_latest_checkpoint()  # one both ranks can load
+    finally:
+        logging.getLogger("nebulite").removeHandler(handler)
     out["latest"] = latest.tag
+    out["persisting"] = persisting
     got = latest.load("model")
     out["latest_loads"] = all(torch.equal(got[k], v) for k, v in saved[latest.tag].items())
     dist.barrier()
