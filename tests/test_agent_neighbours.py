@@ -15,6 +15,7 @@ import threading
 import time
 import warnings
 from pathlib import Path
+from typing import Callable
 
 import pytest
 import torch
@@ -249,6 +250,19 @@ def test_engines_of_departed_trainers_are_released(agent_env, store):
     assert nebulite.get_latest_checkpoint().tag == "b"
 
 
+def _model_and_step() -> tuple[torch.nn.Module, Callable[[], None]]:
+    """A model and a training step of it (SGD with momentum: the optimizer has state)."""
+    model = torch.nn.Linear(8, 8)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+    def step() -> None:
+        model(torch.ones(2, 8)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+
+    return model, step
+
+
 @pytest.mark.parametrize("fallback", [False, True])
 def test_an_agent_stopped_between_checkpoints_fails_the_next_one_not_the_step(agent_env, store,
                                                                              fallback):
@@ -259,13 +273,7 @@ def test_an_agent_stopped_between_checkpoints_fails_the_next_one_not_the_step(ag
     the saves after it go on there."""
     nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20,
                   async_staging=True, agent_fallback=fallback)
-    model = torch.nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-    def step() -> None:
-        model(torch.ones(2, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    model, step = _model_and_step()
 
     step()
     step()
@@ -307,13 +315,7 @@ def test_an_agent_stopped_while_it_seals_deferred_copies_fails_the_checkpoint_no
     over; the saves after it go on there)."""
     nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20,
                   async_staging=True, agent_fallback=fallback)
-    model = torch.nn.Linear(8, 8)
-    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
-
-    def step() -> None:
-        model(torch.ones(2, 8)).sum().backward()
-        opt.step()
-        opt.zero_grad()
+    model, step = _model_and_step()
 
     def state() -> dict:
         return {"model": model.state_dict(), "args": argparse.Namespace(lr=0.1)}
