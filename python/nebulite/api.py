@@ -1375,15 +1375,14 @@ def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoi
         if newest != -minus_oldest:
             bound = -minus_oldest
             continue
-        if found is None:
-            return Checkpoint("", _committed=None)
         # Every rank holds this version (in its memory or the store): only now is one held
         # in memory persisted, so that no rank waits in the store for a version that another
-        # rank never committed. Every rank takes part, whatever tier it found it in.
-        (failed,) = _dist.all_reduce_max([int(not loadable_everywhere(found))])
+        # rank never committed. Every rank takes part, whatever it found.
+        (failed,) = _dist.all_reduce_max(
+            [int(found is not None and not loadable_everywhere(found))])
         if not failed:
-            return _handle(found)
-        bound = int(found["seq"]) - 1
+            return _handle(found) if found is not None else Checkpoint("", _committed=None)
+        bound = newest - 1
 
 
 def _persist_and_wait(s: _Session, e: dict[str, Any]) -> dict[str, Any] | None:
