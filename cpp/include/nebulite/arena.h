@@ -12,6 +12,11 @@
 // space (back-pressure) until the deadline; a request larger than the whole
 // capacity fails at once with ResourceExhausted, so that callers can stream instead.
 // Thread-safety: all methods are thread-safe. Release() wakes waiting Reserve() calls.
+//
+// The engines of one node share one arena, and each evicts only its own versions. So that
+// one engine's reservation is not refused (or left waiting) while another engine holds
+// memory it could give back, each engine registers a room maker, which frees memory of
+// its own that may go (a version already persisted); MakeRoom() asks the others in turn.
 #pragma once
 
 #include <chrono>
@@ -66,6 +71,16 @@ class Arena {
   // Waits until the background pre-fault has finished (tests, benchmarks). Thread-safe.
   void WaitPrefaulted();
 
+  // A room maker frees some memory of its owner that may go and returns true, or returns
+  // false when it has none. It is called without any lock of the arena held, and may
+  // call Release(). AddRoomMaker returns its id; after RemoveRoomMaker(id) returns, it is
+  // not called again.
+  uint64_t AddRoomMaker(std::function<bool()> make_room);
+  void RemoveRoomMaker(uint64_t id);
+  // Asks each room maker but `except` (an id), one after another, until one frees
+  // memory: true if one did.
+  bool MakeRoom(uint64_t except);
+
  private:
   Arena(uint8_t* base, uint64_t capacity, int fd);
   bool TryReserveLocked(uint64_t size, uint64_t limit, ArenaBlock* out);
@@ -79,6 +94,10 @@ class Arena {
   uint64_t used_ = 0;                  // GUARDED_BY(mu_)
   uint64_t high_water_ = 0;            // GUARDED_BY(mu_)
   std::mutex join_mu_;                 // serialises joining prefault_thread_
+  // Room makers by id; held while one is called, so that removing it waits for the call.
+  std::mutex makers_mu_;
+  std::map<uint64_t, std::function<bool()>> makers_;  // GUARDED_BY(makers_mu_)
+  uint64_t next_maker_ = 1;                           // GUARDED_BY(makers_mu_)
   std::thread prefault_thread_;
   bool stop_prefault_ = false;
 };

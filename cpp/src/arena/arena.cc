@@ -84,6 +84,26 @@ Arena::~Arena() {
   if (fd_ >= 0) close(fd_);
 }
 
+uint64_t Arena::AddRoomMaker(std::function<bool()> make_room) {
+  std::lock_guard<std::mutex> lock(makers_mu_);
+  makers_[next_maker_] = std::move(make_room);
+  return next_maker_++;
+}
+
+void Arena::RemoveRoomMaker(uint64_t id) {
+  std::lock_guard<std::mutex> lock(makers_mu_);
+  makers_.erase(id);
+}
+
+bool Arena::MakeRoom(uint64_t except) {
+  // makers_mu_ is held across each call (a maker takes its engine's lock, then this
+  // arena's mu_; no engine holds its lock while it calls MakeRoom).
+  std::lock_guard<std::mutex> lock(makers_mu_);
+  for (auto& [id, make_room] : makers_)
+    if (id != except && make_room()) return true;
+  return false;
+}
+
 void Arena::WaitPrefaulted() {
   std::lock_guard<std::mutex> lock(join_mu_);  // several threads may wait at once
   if (prefault_thread_.joinable()) prefault_thread_.join();

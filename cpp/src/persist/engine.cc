@@ -81,6 +81,14 @@ class EngineImpl : public Engine {
         if (c.opts.world_size > 1) c.coordinator->Start(core_);
       }
     }
+    // Another engine of the node, short of memory, may take that of this engine's
+    // versions already persisted (as this engine's own reservations would).
+    room_maker_ = c.arena->AddRoomMaker([weak = std::weak_ptr<EngineCore>(core_)] {
+      auto core = weak.lock();
+      if (!core) return false;
+      std::lock_guard<std::mutex> lock(core->mu);
+      return core->versions.EvictOldest(/*durable_only=*/true);
+    });
   }
 
   ~EngineImpl() override {
@@ -92,6 +100,7 @@ class EngineImpl : public Engine {
       return;
     }
     (void)Close(60);
+    core_->arena->RemoveRoomMaker(room_maker_);
   }
 
   // -- staging ------------------------------------------------------------------------
@@ -653,6 +662,9 @@ class EngineImpl : public Engine {
       }
       b = arena->TryReserve(size);
       if (b.ok()) return b;
+      // The node's other engines give back their persisted versions' memory before this
+      // one lets go of versions held in memory only.
+      if (arena->MakeRoom(room_maker_)) continue;
       bool wait;
       {
         std::lock_guard<std::mutex> lock(core_->mu);
@@ -675,6 +687,7 @@ class EngineImpl : public Engine {
 
   std::shared_ptr<EngineCore> core_;
   const pid_t owner_;  // the process that opened it
+  uint64_t room_maker_ = 0;  // its id in the arena (see Arena::AddRoomMaker)
   std::atomic<bool> closed_{false};
 };
 

@@ -516,5 +516,40 @@ TEST(EngineReserveTest, EnginesOfOneNodeShareOneBudget) {
   ExpectStored((*e0)->storage(), DataFilePath("s", "v", 1, "b"), b);
 }
 
+TEST(EngineReserveTest, AnEngineShortOfMemoryTakesThatOfAnotherEnginesPersistedVersions) {
+  // Two engines of one node (ranks of one job; here with two stores) share an 8 MiB budget.
+  // Engine 1's version is persisted; engine 0 then needs more than is free. It takes the
+  // persisted version's memory (that version is then in engine 1's store only) rather
+  // than stream its object, or wait for memory that only engine 1 could give back.
+  TempDir dir0, dir1;
+  auto arena = Arena::Create(8 << 20, false, /*shared=*/true);
+  ASSERT_TRUE(arena.ok());
+  std::shared_ptr<Arena> shared = std::move(arena).value();
+  auto o0 = Options(dir0.path()), o1 = Options(dir1.path());
+  o0.arena = o1.arena = shared;
+  auto e0 = Engine::Open(o0), e1 = Engine::Open(o1);
+  ASSERT_TRUE(e0.ok() && e1.ok());
+  auto a = MakeObject({100, 5 << 20}, 1), b = MakeObject({100, 5 << 20}, 2);
+  ASSERT_TRUE((*e1)->Stage("s", "v1", "b", b.records).ok());
+  ASSERT_TRUE((*e1)->Commit("s", "v1", 1, true).ok());
+  ASSERT_TRUE((*e1)->Flush(60).ok());
+  auto staged = (*e0)->Stage("s", "v1", "a", a.records);
+  ASSERT_TRUE(staged.ok()) << staged.status().ToString();
+  EXPECT_FALSE(staged->streamed);
+  EXPECT_TRUE((*e1)->Versions().empty());  // it left memory: it is in the store only
+  ASSERT_TRUE((*e0)->Commit("s", "v1", 1, true).ok());
+  ASSERT_TRUE((*e0)->Flush(60).ok());
+  ExpectStored((*e0)->storage(), DataFilePath("s", "v1", 0, "a"), a);
+  ExpectStored((*e1)->storage(), DataFilePath("s", "v1", 0, "b"), b);
+  // A version held in memory only is never taken by another engine.
+  ASSERT_TRUE((*e1)->Stage("t", "v2", "b", b.records).ok());
+  ASSERT_TRUE((*e1)->Commit("t", "v2", 2, false).ok());
+  (*e0).reset();  // its memory goes back, and its room maker with it
+  EXPECT_FALSE(shared->MakeRoom(0));
+  auto versions = (*e1)->Versions();
+  ASSERT_EQ(versions.size(), 1u);
+  EXPECT_TRUE(versions[0].in_memory);
+}
+
 }  // namespace
 }  // namespace nebulite
