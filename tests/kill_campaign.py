@@ -18,7 +18,8 @@ and exit by itself: every step all ranks had committed must then be in the store
 Each scenario keeps one store across its rounds, so every run resumes (and checks) what
 the killed runs before it left, and kills also hit the restart path: leftovers of dead
 runs, an agent that outlived its trainer. A store's runs save one tag per step or one tag
-again and again, with a roomy, tight or (agent) streaming memory budget. Everything is
+again and again, with a roomy, tight or (agent) streaming memory budget, staging each save
+before it returns or (async_staging) copying an optimizer's tensors after it. Everything is
 drawn from one seed, printed
 first; a failure prints the seed, the configuration and the kill schedule of its round,
 which --schedule replays.
@@ -488,6 +489,7 @@ class Failure:
     replay: str = ""   # the schedules of the scenario's rounds so far
     tag_mode: str = "step"
     memory: str = "roomy"
+    staging: str = "sync"
 
     def report(self) -> str:
         return (f"FAILURE [{self.kind}] configuration {self.config}, scenario seed {self.seed!r}, "
@@ -495,7 +497,8 @@ class Failure:
                 f"  reproduce: python tests/kill_campaign.py --configs {self.config} "
                 f"--scenario-seed '{self.seed}' --rounds {self.round + 1}\n"
                 f"  replay the same kills: python tests/kill_campaign.py --configs {self.config} "
-                f"--tag {self.tag_mode} --memory {self.memory} --schedule '{self.replay}'"
+                f"--tag {self.tag_mode} --memory {self.memory} --staging {self.staging} "
+                f"--schedule '{self.replay}'"
                 + (f"\n{self.context}" if self.context else ""))
 
 
@@ -512,6 +515,7 @@ class Stats:
         self.excused = 0  # checks a live agent's retention raced with (not held against it)
         self.scenarios = collections.Counter()  # by the tags saved: "step" or "last"
         self.memories = collections.Counter()  # by the memory budget (MEMORY)
+        self.stagings = collections.Counter()  # by the staging: "sync" or "async"
         self.journaled = collections.Counter()  # flush_persistence() calls that returned
         self.paths: list[str] = []  # directories the campaign made (all removed at its end)
         self.zygote_pid: int | None = None
@@ -524,7 +528,7 @@ class Scenario:
     """One store, runtime directory and journal, and the rounds run on them."""
 
     def __init__(self, campaign: "Campaign", config: Config, seed: str, tag_mode: str | None = None,
-                 memory: str | None = None) -> None:
+                 memory: str | None = None, staging: str | None = None) -> None:
         self.c, self.config, self.seed = campaign, config, seed
         self.rng = random.Random(seed)
         # One tag per step, or (a third of the scenarios) one tag saved again and again.
@@ -534,6 +538,10 @@ class Scenario:
         if drawn == "streaming" and not config.agent:
             drawn = "tight"
         self.memory = memory or drawn
+        # Half the stores' runs save with async_staging: their objects are an optimizer's
+        # tensors, copied after save() returns, and committed by the step after commit().
+        drawn = "async" if self.rng.random() < 0.5 else "sync"
+        self.staging = staging or drawn
         self.dir = tempfile.mkdtemp(prefix="s", dir=campaign.workdir)
         self.store = os.path.join(self.dir, "store")
         self.journal = os.path.join(self.dir, "journal")
@@ -566,7 +574,8 @@ class Scenario:
             return
         self.c.stats.failure_keys.add(k)
         f = Failure(kind, self.config.name, self.seed, self.round, str(schedule) if schedule else "-",
-                    detail, context, ";".join(self.schedules), self.tag_mode, self.memory)
+                    detail, context, ";".join(self.schedules), self.tag_mode, self.memory,
+                    self.staging)
         self.c.stats.failures.append(f)
         self.c.say(f.report())
 
@@ -587,6 +596,8 @@ class Scenario:
                     "--tag", self.tag_mode]
             if cfg.agent:
                 argv.append("--agent")
+            if self.staging == "async":
+                argv.append("--async-staging")
             workers.append(Child(self.c.zygote, "worker", argv, self.env(), self.procs,
                                  f"r{self.counter}-rank{rank}"))
         st.runs[cfg.name] += 1
@@ -868,15 +879,17 @@ class Campaign:
 
     def scenario(self, config: Config, seed: str, kills: int | None = None, rounds: int | None = None,
                  schedules: list[Schedule] | None = None, tag_mode: str | None = None,
-                 memory: str | None = None) -> None:
+                 memory: str | None = None, staging: str | None = None) -> None:
         """Rounds on one store until `kills` kills were delivered (or `rounds` rounds ran, or
         the given schedules ran), then a last check with the agent gone."""
-        s = Scenario(self, config, seed, tag_mode, memory)
+        s = Scenario(self, config, seed, tag_mode, memory, staging)
         self.stats.scenarios[s.tag_mode] += 1
         self.stats.memories[s.memory] += 1
+        self.stats.stagings[s.staging] += 1
         if self.verbose:
             self.say(f"{config.name} {seed}: tags {'step<N>' if s.tag_mode == 'step' else 'last'}, "
-                     f"memory {s.memory} ({memory_bytes(config, s.memory) >> 20} MiB)")
+                     f"memory {s.memory} ({memory_bytes(config, s.memory) >> 20} MiB), "
+                     f"staging {s.staging}")
         self.rng_order.seed(seed)
         try:
             delivered = n = 0
@@ -949,7 +962,8 @@ def table(stats: Stats, configs: list[Config], seconds: float) -> str:
         f"stores: {sum(stats.scenarios.values())} (tags step<N>: {stats.scenarios['step']}, "
         f"one tag saved again and again: {stats.scenarios['last']}; memory roomy: "
         f"{stats.memories['roomy']}, tight: {stats.memories['tight']}, "
-        f"streaming: {stats.memories['streaming']})",
+        f"streaming: {stats.memories['streaming']}; staging sync: {stats.stagings['sync']}, "
+        f"async: {stats.stagings['async']})",
         f"kills by target: trainer {t['trainer']}, agent {t['agent']}, both {t['both']}",
         "kills aimed at: " + ", ".join(f"{p} {a[p]}" for p in AIMS),
         "kills landed in: " + ", ".join(f"{p} {l[p]}" for p in PHASES),
@@ -962,7 +976,7 @@ def table(stats: Stats, configs: list[Config], seconds: float) -> str:
 
 def run(kills: int, seed: int, configs: list[Config], per_scenario: int = 8, keep: bool = False,
         out=None, verbose: bool = False, tag_mode: str | None = None,
-        memory: str | None = None) -> tuple[Stats, str]:
+        memory: str | None = None, staging: str | None = None) -> tuple[Stats, str]:
     """The whole campaign; returns its figures and the table."""
     workdir = tempfile.mkdtemp(prefix="nebulite-kill-")
     t0 = time.monotonic()
@@ -975,7 +989,7 @@ def run(kills: int, seed: int, configs: list[Config], per_scenario: int = 8, kee
                      + ", ".join(c.name for c in configs))
         for i, (config, n) in enumerate(plan(kills, configs, per_scenario)):
             campaign.scenario(config, f"{seed}:{config.name}:{i}", kills=n, tag_mode=tag_mode,
-                              memory=memory)
+                              memory=memory, staging=staging)
         stats = campaign.stats
     finally:
         if campaign is not None:
@@ -1001,6 +1015,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="the tags every store's runs save (default: drawn per store)")
     p.add_argument("--memory", choices=MEMORY, default=None,
                    help="the memory budget of every store (default: drawn per store)")
+    p.add_argument("--staging", choices=("sync", "async"), default=None,
+                   help="how every store's runs stage their saves (default: drawn per store)")
     p.add_argument("--keep", action="store_true", help="keep the stores (printed) for inspection")
     p.add_argument("--verbose", action="store_true", help="a line per round")
     a = p.parse_args(argv)
@@ -1013,7 +1029,8 @@ def main(argv: list[str] | None = None) -> int:
             schedules = [Schedule.parse(x) for x in a.schedule.split(";")] if a.schedule else None
             seed = a.scenario_seed or f"replay:{configs[0].name}:0"
             c.scenario(configs[0], seed, kills=None if (a.rounds or schedules) else a.kills,
-                       rounds=a.rounds, schedules=schedules, tag_mode=a.tag, memory=a.memory)
+                       rounds=a.rounds, schedules=schedules, tag_mode=a.tag, memory=a.memory,
+                       staging=a.staging)
         finally:
             c.close()
             if a.keep:
@@ -1024,7 +1041,7 @@ def main(argv: list[str] | None = None) -> int:
         return 1 if c.stats.failures else 0
     seed = a.seed if a.seed is not None else random.SystemRandom().randrange(1 << 31)
     stats, text = run(a.kills, seed, configs, a.scenario_kills, a.keep, verbose=a.verbose,
-                      tag_mode=a.tag, memory=a.memory)
+                      tag_mode=a.tag, memory=a.memory, staging=a.staging)
     print(text)
     return 1 if stats.failures else 0
 

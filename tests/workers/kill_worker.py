@@ -2,7 +2,7 @@
 trains nothing and saves checkpoints in a loop until it is killed or has saved its steps.
 
 Usage: kill_worker.py --store S --journal-dir J [--rank R --world W --port P] [--agent]
-                      [--steps K] [--flush-every F] [--tag step|last]
+                      [--steps K] [--flush-every F] [--tag step|last] [--async-staging]
 
 When it starts, the run resumes from get_latest_checkpoint() and checks bit for bit that
 every object of it holds the content saved at its step (see expected()). It then saves a
@@ -20,6 +20,11 @@ Progress lines on stdout, each flushed: "start", "ready run=<id> agent=<pid or 0
 finally "done". A resumed checkpoint whose content is wrong prints "CORRUPT ..." and
 exits 3; one that cannot be loaded prints "LOADERR ..." and exits 3 (unless the node agent
 holding it is gone: AgentLostError ends the run like any other error).
+
+With --async-staging the objects' tensors are an optimizer's parameters and state, written
+in place before each save, and saved with async_staging=True: their bytes are copied after
+save() returns, and the optimizer step after commit() (a step without gradients: it changes
+nothing) is the barrier that commits; "committed N" follows it.
 """
 
 from __future__ import annotations
@@ -132,6 +137,42 @@ def _say(line: str) -> None:
     print(line, flush=True)
 
 
+class Trained:
+    """The objects of one rank as a training job holds them (--async-staging): their tensors
+    are an optimizer's parameters ("model") and state (the optimizer objects), so that
+    asynchronous staging copies them after save() returns; "positions" (int64) is a
+    buffer, which save() copies itself. Each step writes its values into them in place."""
+
+    def __init__(self, step: int, rank: int, world: int) -> None:
+        self.objects = {n: expected(step, rank, n) for r, n in names(world) if r == rank}
+        params = [t for t in self.objects.get("model", {}).values()
+                  if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        params = params or [torch.zeros(1)]  # a rank without the model: state needs a param
+        self.optimizer = torch.optim.SGD(params, lr=0.1)
+        name = f"optim_rank{rank}"
+        if name in self.objects:
+            self.optimizer.state[params[0]] = self.objects[name]["state"][0]
+        self.optimizer.step()  # the first step: asynchronous staging learns the storages
+
+    def at(self, step: int, rank: int) -> list[tuple[str, Any]]:
+        """Its objects, holding `step`'s values."""
+        with torch.no_grad():
+            for name, obj in self.objects.items():
+                _write(obj, expected(step, rank, name))
+        return list(self.objects.items())
+
+
+def _write(obj: dict, new: dict) -> None:
+    """`new`'s values in `obj`: tensors copied in place, the rest replaced."""
+    for k, v in new.items():
+        if isinstance(v, torch.Tensor):
+            obj[k].copy_(v)
+        elif isinstance(v, dict):
+            _write(obj[k], v)
+        else:
+            obj[k] = v
+
+
 def _resume(world: int) -> int:
     """Step after the latest checkpoint, once its content checked out."""
     latest = nm.get_latest_checkpoint()
@@ -173,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--flush-every", type=int, default=2, help="0: never flush")
     p.add_argument("--commit-timeout", type=float, default=10.0)
     p.add_argument("--tag", choices=("step", "last"), default="step")
+    p.add_argument("--async-staging", action="store_true")
     a = p.parse_args(argv)
     _say("start")
     dist = None
@@ -183,13 +225,15 @@ def main(argv: list[str] | None = None) -> int:
                                 world_size=a.world, timeout=datetime.timedelta(seconds=30))
     nm.init(persistent_storage_path=a.store, persistent_time_interval=0,
             num_of_version_in_retention=RETENTION, commit_timeout=a.commit_timeout,
-            agent=a.agent)
+            agent=a.agent, async_staging=a.async_staging)
     info = nm.session_info()
     _say(f"ready run={info['run_id']} agent={info['agent_pid'] or 0}")
     first = _resume(a.world)
     journal = os.path.join(a.journal_dir, f"rank{a.rank}.journal")
+    trained = Trained(first, a.rank, a.world) if a.async_staging else None
     for step in range(first, first + a.steps):
-        objects = [(n, expected(step, r, n)) for r, n in names(a.world) if r == a.rank]
+        objects = trained.at(step, a.rank) if trained is not None else \
+            [(n, expected(step, r, n)) for r, n in names(a.world) if r == a.rank]
         _say(f"saving {step}")
         ck = nm.Checkpoint(f"step{step}" if a.tag == "step" else "last", -2)
         for name, obj in objects:
@@ -197,6 +241,8 @@ def main(argv: list[str] | None = None) -> int:
         _say(f"saved {step}")
         if not ck.commit():
             raise RuntimeError(f"commit() of step{step} returned False")
+        if trained is not None:
+            trained.optimizer.step()  # the barrier: the copies land, the commit is made
         _say(f"committed {step}")
         if a.flush_every and (step - first + 1) % a.flush_every == 0:
             _say(f"flushing {step}")
