@@ -18,8 +18,9 @@ and exit by itself: every step all ranks had committed must then be in the store
 Each scenario keeps one store across its rounds, so every run resumes (and checks) what
 the killed runs before it left, and kills also hit the restart path: leftovers of dead
 runs, an agent that outlived its trainer. A store's runs save one tag per step or one tag
-again and again, with a roomy, tight or (agent) streaming memory budget, staging each save
-before it returns or (async_staging) copying an optimizer's tensors after it. Everything is
+again and again, with a roomy, tight or (agent) streaming memory budget. Each save is
+staged before it returns; with --staging async (or mixed: half the stores) the runs save
+with async_staging instead, copying an optimizer's tensors after it. Everything is
 drawn from one seed, printed
 first; a failure prints the seed, the configuration and the kill schedule of its round,
 which --schedule replays.
@@ -538,10 +539,12 @@ class Scenario:
         if drawn == "streaming" and not config.agent:
             drawn = "tight"
         self.memory = memory or drawn
-        # Half the stores' runs save with async_staging: their objects are an optimizer's
-        # tensors, copied after save() returns, and committed by the step after commit().
-        drawn = "async" if self.rng.random() < 0.5 else "sync"
-        self.staging = staging or drawn
+        # With "async" (or, "mixed", for half the stores) the runs save with async_staging:
+        # their objects are an optimizer's tensors, copied after save() returns, and
+        # committed by the step after commit(). Drawn last: the other draws stay as they were.
+        if staging == "mixed":
+            staging = "async" if self.rng.random() < 0.5 else "sync"
+        self.staging = staging or "sync"
         self.dir = tempfile.mkdtemp(prefix="s", dir=campaign.workdir)
         self.store = os.path.join(self.dir, "store")
         self.journal = os.path.join(self.dir, "journal")
@@ -1015,8 +1018,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="the tags every store's runs save (default: drawn per store)")
     p.add_argument("--memory", choices=MEMORY, default=None,
                    help="the memory budget of every store (default: drawn per store)")
-    p.add_argument("--staging", choices=("sync", "async"), default=None,
-                   help="how every store's runs stage their saves (default: drawn per store)")
+    p.add_argument("--staging", choices=("sync", "async", "mixed"), default="sync",
+                   help="how the stores' runs stage their saves: before save() returns (sync, "
+                   "the default), with async_staging (async), or drawn per store (mixed)")
     p.add_argument("--keep", action="store_true", help="keep the stores (printed) for inspection")
     p.add_argument("--verbose", action="store_true", help="a line per round")
     a = p.parse_args(argv)
