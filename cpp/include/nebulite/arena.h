@@ -72,9 +72,9 @@ class Arena {
   void WaitPrefaulted();
 
   // A room maker frees some memory of its owner that may go and returns true, or returns
-  // false when it has none. It is called without any lock of the arena held, and may
-  // call Release(). AddRoomMaker returns its id; after RemoveRoomMaker(id) returns, it is
-  // not called again.
+  // false when it has none. It is called with the makers' own lock held (not the lock of
+  // the arena's memory): it may call Release(), but no room maker method. AddRoomMaker
+  // returns its id; after RemoveRoomMaker(id) returns, it is not called again.
   uint64_t AddRoomMaker(std::function<bool()> make_room);
   void RemoveRoomMaker(uint64_t id);
   // Asks each room maker but `except` (an id), one after another, until one frees
