@@ -14,6 +14,7 @@ import tempfile
 import textwrap
 import threading
 import time
+import zlib
 from pathlib import Path
 
 import pytest
@@ -327,6 +328,41 @@ def test_closing_the_agent_closes_every_engine_whatever_failed(make_agent, conne
     for engine in agent.engines.values():
         with pytest.raises(errors.FailedPreconditionError, match="closed"):
             engine.reserve("t", "v", "x", [("data.pkl", 16)])
+
+
+def test_a_version_whose_rank_0_died_before_committing_lets_the_agent_exit(
+        make_agent, connect, tmp_path):
+    """Rank 1 persisted a version that rank 0 never committed (its trainer died between
+    save and commit): once rank 1's trainer is gone too and the commit timeout passed,
+    the agent stops waiting for the marker, keeps rank 1's files (rank 0 could still
+    commit them), reports the failure, and can finish and exit."""
+    store = tmp_path / "store"
+    agent = make_agent(root=str(store), commit_timeout=0.5)
+    rank1 = connect(agent)
+    assert rank1.request({"op": "hello", "version": protocol.VERSION, "rank": 1,
+                          "world_size": 2})["ok"]
+    key = {"tag": "t", "version": "v1", "name": "x"}
+    assert rank1.request(dict(key, op="reserve", records=[["data.pkl", 16]]))["ok"]
+    assert rank1.request(dict(key, op="seal", crcs=[zlib.crc32(bytes(16))]))["ok"]  # zeros
+    assert rank1.request({"op": "commit", "tag": "t", "version": "v1", "persist": True})["ok"]
+    rank0 = connect(agent)
+    assert rank0.request({"op": "hello", "version": protocol.VERSION, "rank": 0,
+                          "world_size": 2})["ok"]
+    assert rank0.request(dict(key, op="reserve", records=[["data.pkl", 16]]))["ok"]
+    rank0.close()  # killed mid-save: its part is discarded, the version never committed
+    deadline = time.monotonic() + 60
+    while not (store / "t" / "v1" / "rank1.manifest").exists():
+        assert time.monotonic() < deadline, "rank 1 never persisted its manifest"
+        time.sleep(0.01)
+    rank1.close()
+    _wait_for_cleanups(agent)
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+    while not agent._idle():
+        assert time.monotonic() < deadline, f"the agent never got idle: {agent.status()}"
+        time.sleep(0.05)
+    assert (store / "t" / "v1" / "rank1.manifest").exists()
+    assert not (store / "t" / "v1" / "COMMITTED").exists()
+    assert agent.status()["pending"] == 0
 
 
 def test_engine_waits_refuse_nan_and_cap_what_never_ends(tmp_path):

@@ -304,6 +304,15 @@ void RegisterEngine(nb::module_& m) {
              nb::gil_scoped_release release;
              e.Abandon(tag, version);
            })
+      .def("give_up_commit",
+           [](Engine& e, const std::string& tag, const std::string& version) {
+             Result<bool> r = Status::Internal("unset");
+             {
+               nb::gil_scoped_release release;
+               r = e.GiveUpCommit(tag, version);
+             }
+             return ValueOrThrow(std::move(r));
+           })
       .def("newest_seq", &Engine::NewestSeq)
       .def("versions",
            [](Engine& e) {

@@ -484,6 +484,28 @@ class EngineImpl : public Engine {
     return result;
   }
 
+  Result<bool> GiveUpCommit(const std::string& tag, const std::string& version) override {
+    std::shared_ptr<VersionState> v;
+    {
+      std::lock_guard<std::mutex> lock(core_->mu);
+      v = core_->versions.Find(tag, version);
+      if (core_->opts.rank == 0 || !v || !v->persisted || !v->PendingInStore()) return false;
+    }
+    if (CommittedOrRetired(tag, version)) {
+      std::lock_guard<std::mutex> lock(core_->mu);
+      v->store_committed = true;
+      core_->versions.ApplyRetention();
+      core_->changed.notify_all();
+      return false;
+    }
+    core_->persister->Fail(v, Status::Cancelled("rank 0 did not commit it; this rank stopped "
+                                                "waiting"),
+                           "waiting for the commit of");
+    std::lock_guard<std::mutex> lock(core_->mu);
+    v->failure_flushed = true;
+    return true;
+  }
+
   void Abandon(const std::string& tag, const std::string& version) override {
     std::lock_guard<std::mutex> lock(core_->mu);
     auto v = core_->versions.Find(tag, version);

@@ -325,6 +325,54 @@ TEST(EngineTest, RankOneFlushesVersionsThatRetentionRetiredBeforeItLooked) {
   EXPECT_EQ(cat->entries[0].commit.tag, "t3");
 }
 
+TEST(EngineTest, RankOneGivesUpACommitRankZeroNeverMadeAndKeepsItsFiles) {
+  TempDir dir;
+  auto o0 = Options(dir.path());
+  o0.world_size = 2;
+  auto o1 = o0;
+  o1.rank = 1;
+  auto e0 = Engine::Open(o0);
+  auto e1 = Engine::Open(o1);
+  ASSERT_TRUE(e0.ok() && e1.ok());
+  auto a = MakeObject({100, 4096}, 1), b = MakeObject({200, 5000}, 2);
+  ASSERT_TRUE((*e1)->Stage("s", "v", "optim", b.records).ok());
+  ASSERT_TRUE((*e1)->Commit("s", "v", 1, true).ok());
+  // Rank 1 persists its part, then waits for a marker that rank 0 never writes.
+  EXPECT_EQ((*e1)->Flush(0.3).code(), StatusCode::kCancelled);
+  auto r0 = (*e0)->GiveUpCommit("s", "v");  // rank 0 never waits for a marker
+  ASSERT_TRUE(r0.ok());
+  EXPECT_FALSE(*r0);
+  auto gave_up = (*e1)->GiveUpCommit("s", "v");
+  ASSERT_TRUE(gave_up.ok()) << gave_up.status().ToString();
+  EXPECT_TRUE(*gave_up);
+  Status st = (*e1)->Flush(5);  // nothing is awaited, and the caller reported the failure
+  EXPECT_TRUE(st.ok()) << st.ToString();
+  ASSERT_EQ((*e1)->Versions().size(), 1u);
+  EXPECT_TRUE((*e1)->Versions()[0].failed);
+  // Its files stay: rank 0, slower than thought, still commits the version whole.
+  ExpectStored((*e1)->storage(), DataFilePath("s", "v", 1, "optim"), b);
+  ASSERT_TRUE((*e0)->Stage("s", "v", "model", a.records).ok());
+  ASSERT_TRUE((*e0)->Commit("s", "v", 1, true).ok());
+  st = (*e0)->Flush(60);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  auto cat = ReadCatalog((*e0)->storage());
+  ASSERT_TRUE(cat.ok());
+  ASSERT_EQ(cat->entries.size(), 1u);
+  ExpectStored((*e0)->storage(), DataFilePath("s", "v", 1, "optim"), b);
+  // A version committed in the store (rank 1 has not looked yet) is not given up.
+  ASSERT_TRUE((*e1)->Stage("s", "w", "optim", b.records).ok());
+  ASSERT_TRUE((*e0)->Stage("s", "w", "model", a.records).ok());
+  ASSERT_TRUE((*e1)->Commit("s", "w", 2, true).ok());
+  ASSERT_TRUE((*e0)->Commit("s", "w", 2, true).ok());
+  ASSERT_TRUE((*e0)->Flush(60).ok());
+  gave_up = (*e1)->GiveUpCommit("s", "w");
+  ASSERT_TRUE(gave_up.ok());
+  EXPECT_FALSE(*gave_up);
+  ASSERT_TRUE((*e1)->Flush(60).ok());
+  for (const auto& v : (*e1)->Versions())
+    if (v.version == "w") EXPECT_FALSE(v.failed);
+}
+
 TEST(EngineTest, StoreFailureIsReportedAndEarlierCommitsStayIntact) {
   FaultyStore store;
   auto e = Open(OptionsOn(store));

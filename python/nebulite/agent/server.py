@@ -324,16 +324,19 @@ class Agent:
 
     def _clean_up_after(self, c: _Connection) -> None:
         """Keeps a departed trainer's run alive until what it committed is in the store
-        (the engine removes what it wrote of versions it never committed)."""
+        (the engine removes what it wrote of versions it never committed), up to the
+        commit timeout, and then until its versions are written and no longer awaited."""
         try:
             if self.root and c.engine is not None:  # what it committed must reach the store first
                 deadline = time.monotonic() + self.commit_timeout
-                while time.monotonic() < deadline:
+                while True:
                     try:
                         c.engine.flush(0.05)
                         break
                     except errors.NebuliteError:
-                        continue
+                        pass
+                    if time.monotonic() >= deadline and not self._stop_awaiting_commits(c):
+                        break
         finally:
             if c.run:
                 self._release_run(c.run)
@@ -342,6 +345,24 @@ class Agent:
             self.release_unused_engines()
             with self.lock:
                 self.cleanups -= 1
+
+    def _stop_awaiting_commits(self, c: _Connection) -> bool:
+        """Once a departed trainer's commit timeout passed: on a rank other than 0, stops
+        waiting for rank 0 to commit the versions that trainer committed and this rank
+        persisted (rank 0's trainer may have died before committing them, and nothing else
+        would end the wait). True while some of them are still being written."""
+        writing = False
+        for v in c.engine.versions():
+            if ((v["tag"], v["version"]) not in c.committed or not v["persist_requested"]
+                    or v["failed"] or v["store_committed"]):
+                continue
+            if not v["persisted"]:
+                writing = True
+            elif c.engine.give_up_commit(v["tag"], v["version"]):
+                log.warning("rank %d persisted version %s of '%s', but rank 0 did not commit "
+                            "it within %g s of the trainer leaving; it stays uncommitted",
+                            c.rank, v["version"], v["tag"], self.commit_timeout)
+        return writing
 
     # -- one trainer ---------------------------------------------------------
 
