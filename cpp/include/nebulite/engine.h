@@ -190,8 +190,8 @@ class Engine {
   // On a rank other than 0, for a version this rank persisted and whose commit marker it
   // awaits: stops waiting, for whoever would commit it is gone (rank 0's trainer may have
   // died before committing it). Looks in the store once more; if the version is not
-  // committed there, it fails (Flush() does not report it: the caller does) and true is
-  // returned. Its files stay in the store, since rank 0 may still commit them.
+  // committed there, it fails (neither Flush() nor TakeErrors() reports it: the caller
+  // does) and true is returned. Its files stay in the store: rank 0 may still commit them.
   virtual Result<bool> GiveUpCommit(const std::string& tag, const std::string& version) = 0;
   // Renames an uncommitted version (the ranks agreed on another name for it): its objects,
   // and its files already in the store, move to `to`.

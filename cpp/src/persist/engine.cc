@@ -500,9 +500,7 @@ class EngineImpl : public Engine {
     }
     core_->persister->Fail(v, Status::Cancelled("rank 0 did not commit it; this rank stopped "
                                                 "waiting"),
-                           "waiting for the commit of");
-    std::lock_guard<std::mutex> lock(core_->mu);
-    v->failure_flushed = true;
+                           "waiting for the commit of", "", /*caller_reports=*/true);
     return true;
   }
 

@@ -347,6 +347,7 @@ TEST(EngineTest, RankOneGivesUpACommitRankZeroNeverMadeAndKeepsItsFiles) {
   EXPECT_TRUE(*gave_up);
   Status st = (*e1)->Flush(5);  // nothing is awaited, and the caller reported the failure
   EXPECT_TRUE(st.ok()) << st.ToString();
+  EXPECT_TRUE((*e1)->TakeErrors().empty());
   ASSERT_EQ((*e1)->Versions().size(), 1u);
   EXPECT_TRUE((*e1)->Versions()[0].failed);
   // Its files stay: rank 0, slower than thought, still commits the version whole.

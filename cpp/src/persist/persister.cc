@@ -65,15 +65,17 @@ Status Persister::CheckNotCommittedInStore(const std::shared_ptr<VersionState>& 
 }
 
 void Persister::Fail(const std::shared_ptr<VersionState>& v, const Status& st,
-                     const std::string& doing, const std::string& object) {
+                     const std::string& doing, const std::string& object,
+                     bool caller_reports) {
   std::vector<std::string> doomed;
   HistoryRow row;
   {
     std::lock_guard<std::mutex> lock(core_->mu);
     v->failed = true;
-    v->failure_flushed = false;
+    v->failure_flushed = caller_reports;
     v->error = st;
-    core_->ReportLocked(st.WithContext(doing + " checkpoint '" + v->tag + "'"));
+    if (!caller_reports)
+      core_->ReportLocked(st.WithContext(doing + " checkpoint '" + v->tag + "'"));
     row = {v->tag, v->version, object,       core_->opts.rank,          0,
            0,      0,          "persistent", "failed: " + st.ToString()};
     if (!v->manifest_attempted) {

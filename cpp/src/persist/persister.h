@@ -14,8 +14,8 @@
 // of that name exists (a reused run id must never overwrite a committed version).
 //
 // Failure policy, for every job and for the coordinator (Fail() is the one place):
-//  - the version is marked failed, its error queued for TakeErrors(), a history row
-//    written; jobs of it still queued are skipped;
+//  - the version is marked failed, its error queued for TakeErrors() (unless the caller
+//    reports it), a history row written; jobs of it still queued are skipped;
 //  - before this rank's manifest was attempted, no manifest names this rank's files: the
 //    data files it wrote from memory (which a retry writes again) are removed to give
 //    the space back; streamed and adopted files, which cannot be written again, are kept
@@ -56,8 +56,9 @@ class Persister : public BackgroundLoop {
   bool HasJobsLocked(const std::string& tag, const std::string& version) const;
 
   // The failure policy (see above). Takes the mutex; never call it with the mutex held.
+  // With `caller_reports`, neither TakeErrors() nor Flush() reports the failure.
   void Fail(const std::shared_ptr<VersionState>& v, const Status& st, const std::string& doing,
-            const std::string& object = "");
+            const std::string& object = "", bool caller_reports = false);
 
   // FailedPrecondition if a marker of `v` exists in the store (checked once per version,
   // when it first touches the store). Takes the mutex.
