@@ -331,7 +331,7 @@ def test_closing_the_agent_closes_every_engine_whatever_failed(make_agent, conne
 
 
 def test_a_version_whose_rank_0_died_before_committing_lets_the_agent_exit(
-        make_agent, connect, tmp_path):
+        make_agent, connect, tmp_path, caplog):
     """Rank 1 persisted a version that rank 0 never committed (its trainer died between
     save and commit): once rank 1's trainer is gone too and the commit timeout passed,
     the agent stops waiting for the marker, keeps rank 1's files (rank 0 could still
@@ -363,6 +363,7 @@ def test_a_version_whose_rank_0_died_before_committing_lets_the_agent_exit(
     assert (store / "t" / "v1" / "rank1.manifest").exists()
     assert not (store / "t" / "v1" / "COMMITTED").exists()
     assert agent.status()["pending"] == 0
+    assert "rank 1 persisted version v1 of 't', but rank 0 did not commit it" in caplog.text
 
 
 def test_engine_waits_refuse_nan_and_cap_what_never_ends(tmp_path):

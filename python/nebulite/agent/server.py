@@ -83,6 +83,7 @@ class Agent:
         self.cleanups = 0  # detached trainers whose leftovers are still being removed
         self.clients = 0
         self.stopping = False  # asked to stop: no new trainer, exit once persisted
+        self.closed = False  # close() began: what its engines did not write stays unwritten
         self.last_detach = time.monotonic()
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
@@ -174,6 +175,7 @@ class Agent:
     def close(self) -> None:
         """Stops listening and closes every engine, once it persisted what it holds (up
         to the commit timeout); what failed is logged (trainers were told already)."""
+        self.closed = True
         self.listener.close()
         try:  # unless a successor already bound the path anew
             if os.stat(self.socket_path).st_ino == self.socket_inode:
@@ -350,7 +352,8 @@ class Agent:
         """Once a departed trainer's commit timeout passed: on a rank other than 0, stops
         waiting for rank 0 to commit the versions that trainer committed and this rank
         persisted (rank 0's trainer may have died before committing them, and nothing else
-        would end the wait). True while some of them are still being written."""
+        would end the wait). True while some of them are still being written (until the
+        agent closes)."""
         writing = False
         for v in c.engine.versions():
             if ((v["tag"], v["version"]) not in c.committed or not v["persist_requested"]
@@ -362,7 +365,7 @@ class Agent:
                 log.warning("rank %d persisted version %s of '%s', but rank 0 did not commit "
                             "it within %g s of the trainer leaving; it stays uncommitted",
                             c.rank, v["version"], v["tag"], self.commit_timeout)
-        return writing
+        return writing and not self.closed
 
     # -- one trainer ---------------------------------------------------------
 
