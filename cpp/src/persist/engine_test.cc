@@ -26,6 +26,7 @@ using engine_test::FaultyStore;
 using engine_test::MakeObject;
 using engine_test::Object;
 using engine_test::Open;
+using engine_test::OpenTwoRanks;
 using engine_test::Options;
 using engine_test::OptionsOn;
 using engine_test::TempDir;
@@ -267,59 +268,50 @@ TEST(EngineTest, RetentionKeepsTheNewestCommittedVersions) {
 
 TEST(EngineTest, TwoRanksCommitOnlyWhenBothPersisted) {
   TempDir dir;
-  auto o0 = Options(dir.path());
-  o0.world_size = 2;
-  auto o1 = o0;
-  o1.rank = 1;
-  auto e0 = Engine::Open(o0);
-  auto e1 = Engine::Open(o1);
-  ASSERT_TRUE(e0.ok() && e1.ok());
+  auto e = OpenTwoRanks(Options(dir.path()));
+  ASSERT_TRUE(e[0] && e[1]);
   auto a = MakeObject({100, 4096}, 1), b = MakeObject({200, 5000}, 2);
-  ASSERT_TRUE((*e0)->Stage("s", "v", "model", a.records).ok());
-  ASSERT_TRUE((*e0)->Commit("s", "v", 1, true).ok());
+  ASSERT_TRUE(e[0]->Stage("s", "v", "model", a.records).ok());
+  ASSERT_TRUE(e[0]->Commit("s", "v", 1, true).ok());
   // Rank 0 alone cannot commit.
   usleep(100 * 1000);
-  auto st = (*e0)->storage()->Exists(CommitMarkerPath("s", "v"));
+  auto st = e[0]->storage()->Exists(CommitMarkerPath("s", "v"));
   ASSERT_TRUE(st.ok());
   EXPECT_FALSE(*st);
-  ASSERT_TRUE((*e1)->Stage("s", "v", "optim", b.records).ok());
-  ASSERT_TRUE((*e1)->Commit("s", "v", 1, true).ok());
-  ASSERT_TRUE((*e0)->Flush(60).ok());
-  ASSERT_TRUE((*e1)->Flush(60).ok());
-  auto cat = ReadCatalog((*e0)->storage());
+  ASSERT_TRUE(e[1]->Stage("s", "v", "optim", b.records).ok());
+  ASSERT_TRUE(e[1]->Commit("s", "v", 1, true).ok());
+  ASSERT_TRUE(e[0]->Flush(60).ok());
+  ASSERT_TRUE(e[1]->Flush(60).ok());
+  auto cat = ReadCatalog(e[0]->storage());
   ASSERT_TRUE(cat.ok());
   ASSERT_EQ(cat->entries.size(), 1u);
   EXPECT_EQ(cat->entries[0].commit.world_size, 2u);
-  ExpectStored((*e0)->storage(), DataFilePath("s", "v", 1, "optim"), b);
+  ExpectStored(e[0]->storage(), DataFilePath("s", "v", 1, "optim"), b);
 }
 
 TEST(EngineTest, RankOneFlushesVersionsThatRetentionRetiredBeforeItLooked) {
   // Rank 0 commits and retires t1 and t2 while rank 1 never flushes; rank 1's flush must
   // count them as committed instead of waiting for markers that are gone.
   TempDir dir;
-  auto o0 = Options(dir.path());
-  o0.world_size = 2;
-  o0.retention = 1;
-  auto o1 = o0;
-  o1.rank = 1;
-  auto e0 = Engine::Open(o0);
-  auto e1 = Engine::Open(o1);
-  ASSERT_TRUE(e0.ok() && e1.ok());
+  auto o = Options(dir.path());
+  o.retention = 1;
+  auto e = OpenTwoRanks(o);
+  ASSERT_TRUE(e[0] && e[1]);
   std::vector<Object> objects;
   for (uint8_t i = 0; i < 6; ++i) objects.push_back(MakeObject({64, 4096}, i));
   const std::vector<std::string> tags = {"t1", "t2", "t3"};
   for (size_t i = 0; i < tags.size(); ++i) {
-    ASSERT_TRUE((*e0)->Stage(tags[i], "v", "a", objects[2 * i].records).ok());
-    ASSERT_TRUE((*e1)->Stage(tags[i], "v", "b", objects[2 * i + 1].records).ok());
-    ASSERT_TRUE((*e0)->Commit(tags[i], "v", i + 1, true).ok());
-    ASSERT_TRUE((*e1)->Commit(tags[i], "v", i + 1, true).ok());
-    ASSERT_TRUE((*e0)->Flush(60).ok());
+    ASSERT_TRUE(e[0]->Stage(tags[i], "v", "a", objects[2 * i].records).ok());
+    ASSERT_TRUE(e[1]->Stage(tags[i], "v", "b", objects[2 * i + 1].records).ok());
+    ASSERT_TRUE(e[0]->Commit(tags[i], "v", i + 1, true).ok());
+    ASSERT_TRUE(e[1]->Commit(tags[i], "v", i + 1, true).ok());
+    ASSERT_TRUE(e[0]->Flush(60).ok());
   }
   EXPECT_FALSE(fs::exists(dir.path() + "/t1"));
   EXPECT_FALSE(fs::exists(dir.path() + "/t2"));
-  Status st = (*e1)->Flush(5);
+  Status st = e[1]->Flush(5);
   EXPECT_TRUE(st.ok()) << st.ToString();
-  auto cat = ReadCatalog((*e0)->storage());
+  auto cat = ReadCatalog(e[0]->storage());
   ASSERT_TRUE(cat.ok());
   ASSERT_EQ(cat->entries.size(), 1u);
   EXPECT_EQ(cat->entries[0].commit.tag, "t3");
@@ -327,50 +319,45 @@ TEST(EngineTest, RankOneFlushesVersionsThatRetentionRetiredBeforeItLooked) {
 
 TEST(EngineTest, RankOneGivesUpACommitRankZeroNeverMadeAndKeepsItsFiles) {
   TempDir dir;
-  auto o0 = Options(dir.path());
-  o0.world_size = 2;
-  auto o1 = o0;
-  o1.rank = 1;
-  auto e0 = Engine::Open(o0);
-  auto e1 = Engine::Open(o1);
-  ASSERT_TRUE(e0.ok() && e1.ok());
+  auto e = OpenTwoRanks(Options(dir.path()));
+  ASSERT_TRUE(e[0] && e[1]);
   auto a = MakeObject({100, 4096}, 1), b = MakeObject({200, 5000}, 2);
-  ASSERT_TRUE((*e1)->Stage("s", "v", "optim", b.records).ok());
-  ASSERT_TRUE((*e1)->Commit("s", "v", 1, true).ok());
+  ASSERT_TRUE(e[1]->Stage("s", "v", "optim", b.records).ok());
+  ASSERT_TRUE(e[1]->Commit("s", "v", 1, true).ok());
   // Rank 1 persists its part, then waits for a marker that rank 0 never writes.
-  EXPECT_EQ((*e1)->Flush(0.3).code(), StatusCode::kCancelled);
-  auto r0 = (*e0)->GiveUpCommit("s", "v");  // rank 0 never waits for a marker
+  EXPECT_EQ(e[1]->Flush(0.3).code(), StatusCode::kCancelled);
+  auto r0 = e[0]->GiveUpCommit("s", "v");  // rank 0 never waits for a marker
   ASSERT_TRUE(r0.ok());
   EXPECT_FALSE(*r0);
-  auto gave_up = (*e1)->GiveUpCommit("s", "v");
+  auto gave_up = e[1]->GiveUpCommit("s", "v");
   ASSERT_TRUE(gave_up.ok()) << gave_up.status().ToString();
   EXPECT_TRUE(*gave_up);
-  Status st = (*e1)->Flush(5);  // nothing is awaited, and the caller reported the failure
+  Status st = e[1]->Flush(5);  // nothing is awaited, and the caller reported the failure
   EXPECT_TRUE(st.ok()) << st.ToString();
-  EXPECT_TRUE((*e1)->TakeErrors().empty());
-  ASSERT_EQ((*e1)->Versions().size(), 1u);
-  EXPECT_TRUE((*e1)->Versions()[0].failed);
+  EXPECT_TRUE(e[1]->TakeErrors().empty());
+  ASSERT_EQ(e[1]->Versions().size(), 1u);
+  EXPECT_TRUE(e[1]->Versions()[0].failed);
   // Its files stay: rank 0, slower than thought, still commits the version whole.
-  ExpectStored((*e1)->storage(), DataFilePath("s", "v", 1, "optim"), b);
-  ASSERT_TRUE((*e0)->Stage("s", "v", "model", a.records).ok());
-  ASSERT_TRUE((*e0)->Commit("s", "v", 1, true).ok());
-  st = (*e0)->Flush(60);
+  ExpectStored(e[1]->storage(), DataFilePath("s", "v", 1, "optim"), b);
+  ASSERT_TRUE(e[0]->Stage("s", "v", "model", a.records).ok());
+  ASSERT_TRUE(e[0]->Commit("s", "v", 1, true).ok());
+  st = e[0]->Flush(60);
   ASSERT_TRUE(st.ok()) << st.ToString();
-  auto cat = ReadCatalog((*e0)->storage());
+  auto cat = ReadCatalog(e[0]->storage());
   ASSERT_TRUE(cat.ok());
   ASSERT_EQ(cat->entries.size(), 1u);
-  ExpectStored((*e0)->storage(), DataFilePath("s", "v", 1, "optim"), b);
+  ExpectStored(e[0]->storage(), DataFilePath("s", "v", 1, "optim"), b);
   // A version committed in the store (rank 1 has not looked yet) is not given up.
-  ASSERT_TRUE((*e1)->Stage("s", "w", "optim", b.records).ok());
-  ASSERT_TRUE((*e0)->Stage("s", "w", "model", a.records).ok());
-  ASSERT_TRUE((*e1)->Commit("s", "w", 2, true).ok());
-  ASSERT_TRUE((*e0)->Commit("s", "w", 2, true).ok());
-  ASSERT_TRUE((*e0)->Flush(60).ok());
-  gave_up = (*e1)->GiveUpCommit("s", "w");
+  ASSERT_TRUE(e[1]->Stage("s", "w", "optim", b.records).ok());
+  ASSERT_TRUE(e[0]->Stage("s", "w", "model", a.records).ok());
+  ASSERT_TRUE(e[1]->Commit("s", "w", 2, true).ok());
+  ASSERT_TRUE(e[0]->Commit("s", "w", 2, true).ok());
+  ASSERT_TRUE(e[0]->Flush(60).ok());
+  gave_up = e[1]->GiveUpCommit("s", "w");
   ASSERT_TRUE(gave_up.ok());
   EXPECT_FALSE(*gave_up);
-  ASSERT_TRUE((*e1)->Flush(60).ok());
-  for (const auto& v : (*e1)->Versions())
+  ASSERT_TRUE(e[1]->Flush(60).ok());
+  for (const auto& v : e[1]->Versions())
     if (v.version == "w") EXPECT_FALSE(v.failed);
 }
 
@@ -418,6 +405,7 @@ namespace {
 using engine_test::ExpectStored;
 using engine_test::MakeObject;
 using engine_test::Object;
+using engine_test::OpenTwoRanks;
 using engine_test::Options;
 using engine_test::TempDir;
 
@@ -546,23 +534,20 @@ TEST(EngineReserveTest, EnginesOfOneNodeShareOneBudget) {
   ASSERT_TRUE(arena.ok());
   std::shared_ptr<Arena> shared = std::move(arena).value();
   EXPECT_GE(shared->fd(), 0);
-  auto o0 = Options(dir.path());
-  o0.world_size = 2;
-  o0.arena = shared;
-  auto o1 = o0;
-  o1.rank = 1;
-  auto e0 = Engine::Open(o0), e1 = Engine::Open(o1);
-  ASSERT_TRUE(e0.ok() && e1.ok());
+  auto o = Options(dir.path());
+  o.arena = shared;
+  auto e = OpenTwoRanks(o);
+  ASSERT_TRUE(e[0] && e[1]);
   auto a = MakeObject({100, 3 << 20}, 1), b = MakeObject({100, 3 << 20}, 2);
-  ASSERT_TRUE((*e0)->Stage("s", "v", "a", a.records).ok());
-  ASSERT_TRUE((*e1)->Stage("s", "v", "b", b.records).ok());
-  EXPECT_EQ((*e0)->memory_used(), (*e1)->memory_used());  // one budget, seen by both
+  ASSERT_TRUE(e[0]->Stage("s", "v", "a", a.records).ok());
+  ASSERT_TRUE(e[1]->Stage("s", "v", "b", b.records).ok());
+  EXPECT_EQ(e[0]->memory_used(), e[1]->memory_used());  // one budget, seen by both
   EXPECT_GT(shared->used(), 6u << 20);
-  ASSERT_TRUE((*e0)->Commit("s", "v", 1, true).ok());
-  ASSERT_TRUE((*e1)->Commit("s", "v", 1, true).ok());
-  ASSERT_TRUE((*e0)->Flush(60).ok());
-  ASSERT_TRUE((*e1)->Flush(60).ok());
-  ExpectStored((*e0)->storage(), DataFilePath("s", "v", 1, "b"), b);
+  ASSERT_TRUE(e[0]->Commit("s", "v", 1, true).ok());
+  ASSERT_TRUE(e[1]->Commit("s", "v", 1, true).ok());
+  ASSERT_TRUE(e[0]->Flush(60).ok());
+  ASSERT_TRUE(e[1]->Flush(60).ok());
+  ExpectStored(e[0]->storage(), DataFilePath("s", "v", 1, "b"), b);
 }
 
 TEST(EngineReserveTest, AnEngineShortOfMemoryTakesThatOfAnotherEnginesPersistedVersions) {

@@ -86,6 +86,18 @@ inline std::unique_ptr<Engine> Open(const EngineOptions& o) {
   return e.ok() ? std::move(e).value() : nullptr;
 }
 
+// The engines of ranks 0 and 1 of a world of two, with the options `o` otherwise (null
+// where opening failed, a failure of the caller's test).
+inline std::vector<std::unique_ptr<Engine>> OpenTwoRanks(EngineOptions o) {
+  o.world_size = 2;
+  std::vector<std::unique_ptr<Engine>> ranks;
+  for (uint32_t rank = 0; rank < 2; ++rank) {
+    o.rank = rank;
+    ranks.push_back(Open(o));
+  }
+  return ranks;
+}
+
 // Reads every record of a persisted data file back and compares it (failures are the
 // caller's test failures).
 inline void ExpectStored(Storage* s, const std::string& path, const Object& o) {
