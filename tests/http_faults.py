@@ -203,6 +203,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.shutdown(2)
                 return
+            # Recorded before the reply, so that it is there once the client has it.
+            self.owner._record(method, path, rule.status)
             body = f"<Error><Code>Injected</Code><Message>{rule.status}</Message></Error>"
             self.send_response(rule.status)
             if rule.retry_after is not None:
@@ -212,7 +214,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
             self.end_headers()
             if method != "HEAD":
                 self.wfile.write(body.encode())
-            self.owner._record(method, path, rule.status)
             return
 
         chunked = "chunked" in self.headers.get("Transfer-Encoding", "").lower()

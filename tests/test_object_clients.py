@@ -261,9 +261,13 @@ def test_persistent_failure_ends_with_a_typed_error(object_store, store_env, mon
         put(c, "k", b"data")
         proxy.fail_always(503)
         for call in (lambda: put(c, "k2", b"x"), lambda: c.get("k", 0, 4, None), lambda: c.head("k")):
+            sent = len(proxy.requests)
             with pytest.raises(stores.ObjectStoreError) as info:
                 call()
             assert url in str(info.value) and "/k" in str(info.value)
+            # One request, retried at most 10 times: nothing else spends a second budget.
+            tried = proxy.requests[sent:]
+            assert len({m for m, _, _ in tried}) == 1 and 1 <= len(tried) <= 11, tried
         assert 2 <= proxy.injected <= 3 * 11
         proxy.clear()
         proxy.fail_always(403)

@@ -129,6 +129,13 @@ def _s3_config() -> tuple[dict, bool]:
     return cfg, endpoint.lower().startswith("http://")
 
 
+def _refused_range(e: BaseException) -> bool:
+    """The store (416) or obstore's own check refused the range asked for."""
+    text = str(e)
+    return any(m in text for m in ("Range Not Satisfiable", "InvalidRange",
+                                   "Wanted range starting at"))
+
+
 class ObstoreClient:
     """One store URL; thread-safe (obstore stores are)."""
 
@@ -252,9 +259,10 @@ class ObstoreClient:
             return obstore.get(self._store, key, options=options).bytes()
         except Exception as e:
             err = self._error(e, "get", key)
-            if type(err) is ObjectStoreError:
+            if type(err) is ObjectStoreError and _refused_range(e):
                 # Stores refuse a range that starts at or past the end (416, or obstore's
-                # own check): that read is empty, as a file's would be.
+                # own check): that read is empty, as a file's would be. (Any other failure
+                # was retried already: a head would only spend a second retry budget.)
                 size = check_version(self, key, etag)
                 if offset >= size:
                     return b""
