@@ -356,8 +356,7 @@ class Agent:
         agent closes)."""
         writing = False
         for v in c.engine.versions():
-            if ((v["tag"], v["version"]) not in c.committed or not v["persist_requested"]
-                    or v["failed"] or v["store_committed"]):
+            if (v["tag"], v["version"]) not in c.committed or not _pending(v):
                 continue
             if not v["persisted"]:
                 writing = True
