@@ -284,6 +284,33 @@ def test_failed_commit_is_not_reported_as_latest(rank_dies_run):
     assert r0["latest_here"] == "t2", (r0["latest_here"], r0["load_rank1_from_latest"])
 
 
+def test_a_restart_on_nodes_apart_resumes_without_waiting_for_what_rank_0_never_committed(
+        tmp_path):
+    """Two ranks, each on a node of its own (one agent each): rank 0 died between agreeing
+    on t2 and committing it, rank 1 committed and persisted t2, and both trainers died. The
+    restarted ranks agree on t1, held in memory only, and persist it to share it; rank 1's
+    agent still awaits t2's commit marker (for the commit timeout after its trainer left).
+    Resuming waits for t1 alone: t2 is still awaited when the ranks have loaded t1."""
+    store = str(tmp_path / "ckpt")
+    runtime = tempfile.mkdtemp(prefix="nbrt-")
+    env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime,
+                     NEBULITE_AGENT_IDLE_EXIT=str(dist_worker.HANG_TIMEOUT))
+    try:
+        died = _run_ranks("rank0_dies", store, 2, "crash", env=env)
+        assert [r["died"] for r in died] == ["before committing t2", "after persisting t2"]
+        resumed = _run_ranks("rank0_dies", store, 2, "resume", env=env)
+    finally:
+        remove_runtime_dir(runtime)
+    for r in resumed:
+        assert r["latest"] == "t1" and r["loads"], r
+    assert resumed[0]["t2"] is None  # never committed on rank 0
+    assert resumed[1]["t2"] == {"persisted": True, "store_committed": False, "failed": False}
+    t2 = os.path.join(store, "t2")
+    assert not any(os.path.exists(os.path.join(t2, v, "COMMITTED")) for v in os.listdir(t2))
+    t1 = os.path.join(store, "t1")  # persisted at the restart, to be shared
+    assert any(os.path.exists(os.path.join(t1, v, "COMMITTED")) for v in os.listdir(t1))
+
+
 def test_explicit_ranks_persist_every_commit_with_interval_zero(store):
     env = _child_env(NEBULITE_RUN_ID="noflush0001")
     r0, r1 = _run_ranks("plain_no_flush", store, 2, env=env)

@@ -299,6 +299,16 @@ void RegisterEngine(nb::module_& m) {
              }
              ThrowIfError(st);
            })
+      .def("flush_version",
+           [](Engine& e, const std::string& tag, const std::string& version, double timeout) {
+             timeout = WaitSeconds(timeout, "timeout");
+             Status st;
+             {
+               nb::gil_scoped_release release;
+               st = e.FlushVersion(tag, version, timeout);
+             }
+             ThrowIfError(st);
+           })
       .def("abandon",
            [](Engine& e, const std::string& tag, const std::string& version) {
              nb::gil_scoped_release release;

@@ -1387,12 +1387,15 @@ def _first_intact(entries: list[dict[str, Any]], agree: bool = True) -> Checkpoi
 
 def _persist_and_wait(s: _Session, e: dict[str, Any]) -> dict[str, Any] | None:
     """Persists memory-tier version `e` (a committed one) unless it is on its way already,
-    and waits until it is committed in the store; its store entry once it is, else None."""
+    and waits until it is committed in the store; its store entry once it is, else None.
+    Only `e` is waited for: a restarted trainer's engine may still hold an older run's
+    version that will never be committed (its rank 0 died before committing it), given up
+    only the commit timeout after that run left."""
     if e["in_memory"] and not e["persist_requested"]:
         s.engine.persist(e["tag"], e["version"])
         s.last_persist = time.monotonic()
     try:
-        s.engine.flush(s.config.commit_timeout)
+        s.engine.flush_version(e["tag"], e["version"], s.config.commit_timeout)
     except NebuliteError as ex:
         log.warning("nebulite: checkpoint %r could not be persisted: %s", e["tag"], ex)
     stored = _find_committed(s.root, e["tag"], e["version"]) if s.root else None

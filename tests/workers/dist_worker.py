@@ -19,6 +19,12 @@ Modes:
                           its own shard, counting the bytes it read (/proc/self/io).
   init_only            -- torch.distributed: every rank calls init() and reports what it
                           raised (a store another job writes), then meets the others.
+  rank0_dies PHASE     -- torch.distributed, each rank on a node of its own (one agent each).
+                          PHASE crash: t0 is persisted, t1 committed to memory only; for t2
+                          rank 0 dies between the ranks' agreement and its own commit, and
+                          rank 1 commits and persists t2, then dies too. PHASE resume: a new
+                          job over the same agents finds the latest checkpoint (t1) and
+                          loads it; each rank reports what its agent says of t2.
 Prints one JSON line "RESULT {...}" on success and exits 0.
 """
 
@@ -388,6 +394,49 @@ def run_init_only(store: str, rank: int, world: int, port: int) -> dict:
     return out
 
 
+def run_rank0_dies(store: str, rank: int, world: int, port: int, phase: str) -> dict:
+    os.environ["NEBULITE_NODE_ID"] = f"node{rank}"  # no memory shared between the ranks
+    _init_dist(rank, world, port)
+    # The agents keep the commit timeout of the job that started them: rank 1's waits that
+    # long after the crashed trainer left before it stops awaiting t2's commit marker.
+    nm.init(persistent_storage_path=store, persistent_time_interval=3600,
+            num_of_version_in_retention=5, commit_timeout=HANG_TIMEOUT)
+    engine = nm.api._session.engine
+    if phase == "crash":
+        for step in (0, 1):  # the first commit is persisted; the next, an hour early, not
+            ck = nm.Checkpoint(f"t{step}", -2)
+            ck.save(f"shard_rank{rank}", shard(rank, step))
+            assert ck.commit() is True
+            if step == 0:
+                nm.flush_persistence(timeout=HANG_TIMEOUT)
+        ck = nm.Checkpoint("t2", -2)
+        ck.save(f"shard_rank{rank}", shard(rank, 2))
+        if rank == 0:  # killed after agreeing on the commit, before committing it here
+            def die(*args: object, **kwargs: object) -> None:
+                print("RESULT " + json.dumps({"rank": 0, "died": "before committing t2"}),
+                      flush=True)
+                os._exit(0)
+
+            engine.commit = die
+        assert ck.commit() is True
+        try:  # rank 1 persists t2; rank 0 will never write its commit marker
+            nm.flush_persistence(timeout=0.1)
+        except nm.NebuliteError:
+            pass
+        wait_for_manifest(store, "t2", 1)
+        print("RESULT " + json.dumps({"rank": 1, "died": "after persisting t2"}), flush=True)
+        os._exit(0)  # killed as well, before anything else
+    latest = nm.get_latest_checkpoint(persist_path=store)
+    out: dict = {"rank": rank, "latest": latest.tag, "t2": None}
+    if latest.tag:
+        out["loads"] = same(latest.load(f"shard_rank{rank}"), shard(rank, 1))
+    for v in engine.versions():
+        if v["tag"] == "t2":
+            out["t2"] = {k: v[k] for k in ("persisted", "store_committed", "failed")}
+    print("RESULT " + json.dumps(out), flush=True)
+    os._exit(0)  # the agents keep t2 (rank 1's waits for its marker): not waited for here
+
+
 def main() -> None:
     mode, store, rank, world, port = sys.argv[1], sys.argv[2], *map(int, sys.argv[3:6])
     if mode == "dist":
@@ -408,6 +457,8 @@ def main() -> None:
         out = run_shard_resume(store, rank, world, port)
     elif mode == "init_only":
         out = run_init_only(store, rank, world, port)
+    elif mode == "rank0_dies":
+        out = run_rank0_dies(store, rank, world, port, sys.argv[6])
     else:
         raise SystemExit(f"unknown mode {mode}")
     print("RESULT " + json.dumps(out), flush=True)

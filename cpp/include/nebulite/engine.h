@@ -184,6 +184,11 @@ class Engine {
   virtual Status Persist(const std::string& tag, const std::string& version) = 0;
   // Waits until everything queued is persisted and committed in the store.
   virtual Status Flush(double timeout_seconds) = 0;
+  // Flush() of one version: waits until it is persisted and committed in the store (the
+  // others may still be on their way), and reports its failure once. A version that was
+  // never queued for the store, or that the engine no longer knows, is not waited for.
+  virtual Status FlushVersion(const std::string& tag, const std::string& version,
+                              double timeout_seconds) = 0;
   // Drops an uncommitted version: its arena space is released, and what of it this rank
   // already wrote to the store is removed in the background.
   virtual void Abandon(const std::string& tag, const std::string& version) = 0;

@@ -437,15 +437,29 @@ class EngineImpl : public Engine {
     return manifest.ok() && !*manifest;
   }
 
-  Status Flush(double timeout_seconds) override {
+  Status Flush(double timeout_seconds) override { return WaitInStore(timeout_seconds, nullptr); }
+
+  Status FlushVersion(const std::string& tag, const std::string& version,
+                      double timeout_seconds) override {
+    std::shared_ptr<VersionState> v;
+    {
+      std::lock_guard<std::mutex> lock(core_->mu);
+      v = core_->versions.Find(tag, version);
+    }
+    return v ? WaitInStore(timeout_seconds, v.get()) : Status::OK();
+  }
+
+  // Flush(), or with `only` FlushVersion(): waits for every version queued for the store
+  // (and for the persister's other work), or for `only`, and reports their failures once.
+  Status WaitInStore(double timeout_seconds, const VersionState* only) {
     const auto deadline = DeadlineAfter(timeout_seconds);
     std::unique_lock<std::mutex> lock(core_->mu);
     while (true) {
-      bool pending = core_->persister && !core_->persister->IdleLocked();
+      bool pending = !only && core_->persister && !core_->persister->IdleLocked();
       std::vector<std::pair<std::shared_ptr<VersionState>, std::pair<std::string, std::string>>>
           awaiting;
       for (auto& v : core_->versions.all()) {
-        if (!v->PendingInStore()) continue;
+        if ((only && v.get() != only) || !v->PendingInStore()) continue;
         if (!v->persisted)
           pending = true;
         else
@@ -474,6 +488,7 @@ class EngineImpl : public Engine {
     }
     Status result;
     for (auto& v : core_->versions.all()) {
+      if (only && v.get() != only) continue;
       if (v->failed && !v->failure_flushed) {
         v->failure_flushed = true;
         if (result.ok())

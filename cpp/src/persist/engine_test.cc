@@ -361,6 +361,47 @@ TEST(EngineTest, RankOneGivesUpACommitRankZeroNeverMadeAndKeepsItsFiles) {
     if (v.version == "w") EXPECT_FALSE(v.failed);
 }
 
+TEST(EngineTest, FlushVersionWaitsForThatVersionAlone) {
+  TempDir dir;
+  auto e = OpenTwoRanks(Options(dir.path()));
+  ASSERT_TRUE(e[0] && e[1]);
+  auto a = MakeObject({100, 4096}, 1), b = MakeObject({200, 5000}, 2);
+  // Rank 1 persists "v", whose marker rank 0 never writes (it died before committing).
+  ASSERT_TRUE(e[1]->Stage("s", "v", "optim", b.records).ok());
+  ASSERT_TRUE(e[1]->Commit("s", "v", 1, true).ok());
+  // Both ranks commit "w"; rank 1 waits for it alone, and a whole Flush() still waits.
+  ASSERT_TRUE(e[1]->Stage("s", "w", "optim", b.records).ok());
+  ASSERT_TRUE(e[0]->Stage("s", "w", "model", a.records).ok());
+  ASSERT_TRUE(e[1]->Commit("s", "w", 2, true).ok());
+  ASSERT_TRUE(e[0]->Commit("s", "w", 2, true).ok());
+  Status st = e[1]->FlushVersion("s", "w", 60);
+  ASSERT_TRUE(st.ok()) << st.ToString();
+  for (const auto& v : e[1]->Versions()) EXPECT_EQ(v.store_committed, v.version == "w");
+  EXPECT_EQ(e[1]->Flush(0.3).code(), StatusCode::kCancelled);
+  EXPECT_EQ(e[1]->FlushVersion("s", "v", 0.3).code(), StatusCode::kCancelled);
+  // Nothing to wait for: a version never queued for the store, or not known.
+  ASSERT_TRUE(e[0]->Stage("s", "m", "model", a.records).ok());
+  ASSERT_TRUE(e[0]->Commit("s", "m", 3, false).ok());
+  EXPECT_TRUE(e[0]->FlushVersion("s", "m", 0).ok());
+  EXPECT_TRUE(e[0]->FlushVersion("s", "none", 0).ok());
+  ASSERT_TRUE(e[0]->Flush(60).ok());
+}
+
+TEST(EngineTest, FlushVersionReportsThatVersionsFailureOnce) {
+  FaultyStore store;
+  auto e = Open(OptionsOn(store));
+  ASSERT_TRUE(e);
+  auto bad = MakeObject({100, 70000}, 1);
+  ASSERT_TRUE(e->Stage("bad", "v", "n", bad.records).ok());
+  store.fault->FailAfter(StorageOp::kWrite, 0, Status::NoSpace("disk full (injected)"));
+  ASSERT_TRUE(e->Commit("bad", "v", 1, true).ok());
+  Status st = e->FlushVersion("bad", "v", 60);
+  EXPECT_EQ(st.code(), StatusCode::kIOError) << st.ToString();
+  EXPECT_NE(st.message().find("'bad'"), std::string::npos) << st.ToString();
+  EXPECT_TRUE(e->FlushVersion("bad", "v", 60).ok());  // reported once
+  EXPECT_TRUE(e->Flush(60).ok());
+}
+
 TEST(EngineTest, StoreFailureIsReportedAndEarlierCommitsStayIntact) {
   FaultyStore store;
   auto e = Open(OptionsOn(store));

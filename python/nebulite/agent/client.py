@@ -511,6 +511,10 @@ class AgentEngine:
         self.wait_staged()
         self._call("flush", timeout=timeout)
 
+    def flush_version(self, tag: str, version: str, timeout: float) -> None:
+        self.wait_staged()
+        self._call("flush", timeout=timeout, tag=tag, version=version)
+
     def abandon(self, tag: str, version: str) -> None:
         self.wait_staged()
         self._call("abandon", tag=tag, version=version)

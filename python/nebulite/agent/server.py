@@ -517,8 +517,12 @@ class Agent:
             if op == "persist":
                 e.persist(_str(r, "tag"), _str(r, "version"))
                 return {"ok": True}, []
-            if op == "flush":
-                e.flush(_seconds(r, "timeout", 600.0))
+            if op == "flush":  # with a tag and version, of that version only
+                if "tag" in r:
+                    e.flush_version(_str(r, "tag"), _str(r, "version"),
+                                    _seconds(r, "timeout", 600.0))
+                else:
+                    e.flush(_seconds(r, "timeout", 600.0))
                 return {"ok": True}, []
             if op == "abandon":
                 e.abandon(_str(r, "tag"), _str(r, "version"))
