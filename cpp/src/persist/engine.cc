@@ -437,6 +437,15 @@ class EngineImpl : public Engine {
     return manifest.ok() && !*manifest;
   }
 
+  // Versions that this rank (not rank 0) persisted and then saw committed in the store
+  // (CommittedOrRetired): done here, and retention may drop them from memory now.
+  void SeenCommittedLocked(const std::vector<std::shared_ptr<VersionState>>& seen) {
+    if (seen.empty()) return;
+    for (auto& v : seen) v->store_committed = true;
+    core_->versions.ApplyRetention();
+    core_->changed.notify_all();
+  }
+
   Status Flush(double timeout_seconds) override { return WaitInStore(timeout_seconds, nullptr); }
 
   Status FlushVersion(const std::string& tag, const std::string& version,
@@ -474,8 +483,7 @@ class EngineImpl : public Engine {
         for (auto& [v, name] : awaiting)
           if (CommittedOrRetired(name.first, name.second)) seen.push_back(v);
         lock.lock();
-        for (auto& v : seen) v->store_committed = true;
-        if (!seen.empty()) core_->versions.ApplyRetention();
+        SeenCommittedLocked(seen);
         awaiting.erase(std::remove_if(awaiting.begin(), awaiting.end(),
                                       [](auto& a) { return !a.first->PendingInStore(); }),
                        awaiting.end());
@@ -508,9 +516,7 @@ class EngineImpl : public Engine {
     }
     if (CommittedOrRetired(tag, version)) {
       std::lock_guard<std::mutex> lock(core_->mu);
-      v->store_committed = true;
-      core_->versions.ApplyRetention();
-      core_->changed.notify_all();
+      SeenCommittedLocked({v});
       return false;
     }
     core_->persister->Fail(v, Status::Cancelled("rank 0 did not commit it; this rank stopped "
