@@ -105,6 +105,25 @@ def _save_in_thread(tag: str) -> list:
     return outcome
 
 
+def _stop(pid: int) -> None:
+    """Stops process `pid` (SIGSTOP) and returns once every thread of it has stopped: the
+    signal takes effect asynchronously, and a thread still running could answer one more
+    request."""
+    os.kill(pid, signal.SIGSTOP)
+
+    def stopped(tid: str) -> bool:
+        try:
+            with open(f"/proc/{pid}/task/{tid}/stat") as f:
+                return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+        except FileNotFoundError:  # the thread ended
+            return True
+
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+    while not all(stopped(tid) for tid in os.listdir(f"/proc/{pid}/task")):
+        assert time.monotonic() < deadline, f"agent {pid} did not stop"
+        time.sleep(0.001)
+
+
 @pytest.mark.parametrize("fallback", [False, True])
 def test_a_stopped_agent_fails_save_with_agent_lost(agent_env, store, fallback):
     nebulite.init(persistent_storage_path=store, agent=True, memory_buffer_size=64 << 20,
@@ -114,7 +133,7 @@ def test_a_stopped_agent_fails_save_with_agent_lost(agent_env, store, fallback):
     # A deadline of 1 s only while the agent is stopped: a live agent on a busy machine may
     # take longer than that to answer, and must not count as lost.
     nebulite.api._session.engine._timeout = 1.0
-    os.kill(pid, signal.SIGSTOP)
+    _stop(pid)
     try:
         outcome = _save_in_thread("during")
     finally:
@@ -282,7 +301,7 @@ def test_an_agent_stopped_between_checkpoints_fails_the_next_one_not_the_step(ag
     nebulite.flush_persistence()
     pid = nebulite.api._session.engine.agent_pid
     nebulite.api._session.engine._timeout = 1.0  # see the test above
-    os.kill(pid, signal.SIGSTOP)
+    _stop(pid)
     try:
         nebulite.Checkpoint("during").save("model", model.state_dict())
         step()  # its barrier: the staging thread found the agent lost
@@ -337,7 +356,7 @@ def test_an_agent_stopped_while_it_seals_deferred_copies_fails_the_checkpoint_no
         if threading.current_thread() is threading.main_thread():
             return copy_many(*args, **kwargs)  # the copies save() makes itself
         saved.wait(60)  # a bound on a hang, not a timing
-        os.kill(pid, signal.SIGSTOP)  # once save() returned, before the seal
+        _stop(pid)  # once save() returned, before the seal
         stopped.append(pid)
         return copy_many(*args, **kwargs)
 
