@@ -366,6 +366,47 @@ def test_a_version_whose_rank_0_died_before_committing_lets_the_agent_exit(
     assert "rank 1 persisted version v1 of 't', but rank 0 did not commit it" in caplog.text
 
 
+def test_a_version_rank_0_left_uncommitted_in_this_agent_is_not_waited_for(
+        make_agent, connect, tmp_path, caplog):
+    """Both ranks of a run served by one agent: once rank 0's trainer left without
+    committing a version that rank 1 committed and persisted, rank 1's wait for its marker
+    ends at once, not the commit timeout later: nothing would ever commit it. A version
+    rank 0 committed is committed in the store as usual."""
+    store = tmp_path / "store"
+    agent = make_agent(root=str(store), commit_timeout=3600)
+    ranks = [connect(agent) for _ in range(2)]
+    for rank, conn in enumerate(ranks):
+        assert conn.request({"op": "hello", "version": protocol.VERSION, "rank": rank,
+                             "world_size": 2, "run": "run0001"})["ok"]
+
+    def save(conn: _Served, version: str) -> None:
+        key = {"tag": "t", "version": version, "name": "x"}
+        assert conn.request(dict(key, op="reserve", records=[["data.pkl", 16]]))["ok"]
+        assert conn.request(dict(key, op="seal", crcs=[zlib.crc32(bytes(16))]))["ok"]
+
+    for conn in ranks:
+        save(conn, "v1")
+        assert conn.request({"op": "commit", "tag": "t", "version": "v1", "persist": True})["ok"]
+    save(ranks[1], "v2")
+    assert ranks[1].request({"op": "commit", "tag": "t", "version": "v2", "persist": True})["ok"]
+    ranks[0].request(dict({"tag": "t", "version": "v2", "name": "x"}, op="reserve",
+                          records=[["data.pkl", 16]]))
+    ranks[0].close()  # killed mid-save: v2 never committed on rank 0
+    deadline = time.monotonic() + 60  # a bound on a hang, not a timing
+    while not (store / "t" / "v2" / "rank1.manifest").exists():
+        assert time.monotonic() < deadline, "rank 1 never persisted its manifest"
+        time.sleep(0.01)
+    ranks[1].close()
+    _wait_for_cleanups(agent)  # within a minute, against a commit timeout of an hour
+    assert (store / "t" / "v1" / "COMMITTED").exists()
+    assert (store / "t" / "v2" / "rank1.manifest").exists()
+    assert not (store / "t" / "v2" / "COMMITTED").exists()
+    assert agent.status()["pending"] == 0
+    assert ("rank 1 persisted version v2 of 't', but rank 0's trainer left without "
+            "committing it" in caplog.text)
+    assert "version v1" not in caplog.text
+
+
 def test_engine_waits_refuse_nan_and_cap_what_never_ends(tmp_path):
     e = _core.Engine.open(str(tmp_path / "store"), memory_bytes=8 << 20)
     with pytest.raises(errors.InvalidArgumentError, match="NaN"):

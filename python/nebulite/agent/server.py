@@ -80,6 +80,9 @@ class Agent:
         self.commit_lock = threading.Lock()
         self.newest_seq = 0
         self.runs: dict[str, list[int]] = {}  # run id -> [lock fd, references]
+        # (run id, world size) of the runs whose rank 0 trainer left this agent: what that
+        # rank had not committed then, it never will (see _clean_up_after)
+        self.rank_0_left: set[tuple[str, int]] = set()
         self.cleanups = 0  # detached trainers whose leftovers are still being removed
         self.clients = 0
         self.stopping = False  # asked to stop: no new trainer, exit once persisted
@@ -321,13 +324,16 @@ class Agent:
             held[1] -= 1
             if held[1] == 0:
                 del self.runs[run]
+                self.rank_0_left = {(r, w) for r, w in self.rank_0_left if r != run}
                 if held[0] is not None:
                     held[0].release()
 
     def _clean_up_after(self, c: _Connection) -> None:
         """Keeps a departed trainer's run alive until what it committed is in the store
         (the engine removes what it wrote of versions it never committed), up to the
-        commit timeout, and then until its versions are written and no longer awaited."""
+        commit timeout, and then until its versions are written and no longer awaited.
+        On a rank other than 0 whose rank 0 served here too, a version that rank 0's
+        trainer left without committing is not waited for: nothing would commit it."""
         try:
             if self.root and c.engine is not None:  # what it committed must reach the store first
                 deadline = time.monotonic() + self.commit_timeout
@@ -337,7 +343,9 @@ class Agent:
                         break
                     except errors.NebuliteError:
                         pass
-                    if time.monotonic() >= deadline and not self._stop_awaiting_commits(c):
+                    if time.monotonic() < deadline:
+                        self._stop_awaiting_commits(c, self._left_uncommitted_by_rank_0(c))
+                    elif not self._stop_awaiting_commits(c):
                         break
         finally:
             if c.run:
@@ -348,22 +356,41 @@ class Agent:
             with self.lock:
                 self.cleanups -= 1
 
-    def _stop_awaiting_commits(self, c: _Connection) -> bool:
-        """Once a departed trainer's commit timeout passed: on a rank other than 0, stops
-        waiting for rank 0 to commit the versions that trainer committed and this rank
-        persisted (rank 0's trainer may have died before committing them, and nothing else
-        would end the wait). True while some of them are still being written (until the
-        agent closes)."""
+    def _left_uncommitted_by_rank_0(self, c: _Connection) -> set[tuple[str, str]]:
+        """Of the versions departed trainer `c` (not rank 0) committed, those that rank 0
+        of its run does not hold committed, once rank 0's trainer left this agent; else
+        none (rank 0 may still commit them, or serves on another node)."""
+        if c.rank == 0 or c.run is None or c.key is None:
+            return set()
+        with self.lock:
+            left = (c.run, c.key[1]) in self.rank_0_left
+            rank_0 = self.engines.get((0, c.key[1]))
+        if not left or rank_0 is None:
+            return set()
+        return c.committed - {(v["tag"], v["version"]) for v in rank_0.versions()}
+
+    def _stop_awaiting_commits(self, c: _Connection,
+                               only: set[tuple[str, str]] | None = None) -> bool:
+        """On a rank other than 0, stops waiting for rank 0 to commit the versions that
+        departed trainer `c` committed and this rank persisted: all of them once its commit
+        timeout passed (rank 0's trainer may have died before committing them, and nothing
+        else would end the wait), or `only` those. True while some of them are still being
+        written (until the agent closes)."""
+        wanted = c.committed if only is None else c.committed & only
+        if not wanted:
+            return False
         writing = False
         for v in c.engine.versions():
-            if (v["tag"], v["version"]) not in c.committed or not _pending(v):
+            if (v["tag"], v["version"]) not in wanted or not _pending(v):
                 continue
             if not v["persisted"]:
                 writing = True
             elif c.engine.give_up_commit(v["tag"], v["version"]):
-                log.warning("rank %d persisted version %s of '%s', but rank 0 did not commit "
-                            "it within %g s of the trainer leaving; it stays uncommitted",
-                            c.rank, v["version"], v["tag"], self.commit_timeout)
+                why = ("rank 0's trainer left without committing it" if only is not None else
+                       f"rank 0 did not commit it within {self.commit_timeout:g} s of the "
+                       f"trainer leaving")
+                log.warning("rank %d persisted version %s of '%s', but %s; it stays "
+                            "uncommitted", c.rank, v["version"], v["tag"], why)
         return writing and not self.closed
 
     # -- one trainer ---------------------------------------------------------
@@ -419,6 +446,8 @@ class Agent:
             self._unpin(c, lease_id)
         c.sock.close()
         with self.lock:
+            if c.rank == 0 and c.run is not None and c.key is not None:
+                self.rank_0_left.add((c.run, c.key[1]))
             self.clients -= 1
             self.cleanups += 1
             self.last_detach = time.monotonic()
