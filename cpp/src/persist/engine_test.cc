@@ -266,11 +266,17 @@ TEST(EngineTest, RetentionKeepsTheNewestCommittedVersions) {
   EXPECT_LE(engine.Versions().size(), 2u);
 }
 
-TEST(EngineTest, TwoRanksCommitOnlyWhenBothPersisted) {
+// Two ranks' engines on one store, and an object for each.
+class TwoRanksTest : public ::testing::Test {
+ protected:
+  void SetUp() override { ASSERT_TRUE(e[0] && e[1]); }
+
   TempDir dir;
-  auto e = OpenTwoRanks(Options(dir.path()));
-  ASSERT_TRUE(e[0] && e[1]);
-  auto a = MakeObject({100, 4096}, 1), b = MakeObject({200, 5000}, 2);
+  std::vector<std::unique_ptr<Engine>> e = OpenTwoRanks(Options(dir.path()));
+  Object a = MakeObject({100, 4096}, 1), b = MakeObject({200, 5000}, 2);
+};
+
+TEST_F(TwoRanksTest, CommitOnlyWhenBothPersisted) {
   ASSERT_TRUE(e[0]->Stage("s", "v", "model", a.records).ok());
   ASSERT_TRUE(e[0]->Commit("s", "v", 1, true).ok());
   // Rank 0 alone cannot commit.
@@ -317,11 +323,7 @@ TEST(EngineTest, RankOneFlushesVersionsThatRetentionRetiredBeforeItLooked) {
   EXPECT_EQ(cat->entries[0].commit.tag, "t3");
 }
 
-TEST(EngineTest, RankOneGivesUpACommitRankZeroNeverMadeAndKeepsItsFiles) {
-  TempDir dir;
-  auto e = OpenTwoRanks(Options(dir.path()));
-  ASSERT_TRUE(e[0] && e[1]);
-  auto a = MakeObject({100, 4096}, 1), b = MakeObject({200, 5000}, 2);
+TEST_F(TwoRanksTest, RankOneGivesUpACommitRankZeroNeverMadeAndKeepsItsFiles) {
   ASSERT_TRUE(e[1]->Stage("s", "v", "optim", b.records).ok());
   ASSERT_TRUE(e[1]->Commit("s", "v", 1, true).ok());
   // Rank 1 persists its part, then waits for a marker that rank 0 never writes.
@@ -361,11 +363,7 @@ TEST(EngineTest, RankOneGivesUpACommitRankZeroNeverMadeAndKeepsItsFiles) {
     if (v.version == "w") EXPECT_FALSE(v.failed);
 }
 
-TEST(EngineTest, FlushVersionWaitsForThatVersionAlone) {
-  TempDir dir;
-  auto e = OpenTwoRanks(Options(dir.path()));
-  ASSERT_TRUE(e[0] && e[1]);
-  auto a = MakeObject({100, 4096}, 1), b = MakeObject({200, 5000}, 2);
+TEST_F(TwoRanksTest, FlushVersionWaitsForThatVersionAlone) {
   // Rank 1 persists "v", whose marker rank 0 never writes (it died before committing).
   ASSERT_TRUE(e[1]->Stage("s", "v", "optim", b.records).ok());
   ASSERT_TRUE(e[1]->Commit("s", "v", 1, true).ok());
