@@ -203,7 +203,8 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self.close_connection = True
                 self.connection.shutdown(2)
                 return
-            # Recorded before the reply, so that it is there once the client has it.
+            # Recorded before the reply, so that it is there once the client has it (a
+            # test counts the requests one call made).
             self.owner._record(method, path, rule.status)
             body = f"<Error><Code>Injected</Code><Message>{rule.status}</Message></Error>"
             self.send_response(rule.status)
@@ -241,6 +242,7 @@ class _Handler(http.server.BaseHTTPRequestHandler):
                 self._conn = None
                 if attempt or method not in ("GET", "HEAD"):
                     raise
+        self.owner._record(method, path, resp.status)  # before the reply, as a fault's
         self.send_response(resp.status, resp.reason)
         length = resp.getheader("Content-Length")
         body = None
@@ -264,7 +266,6 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         if resp.will_close:
             conn.close()
             self._conn = None
-        self.owner._record(method, path, resp.status)
 
     def finish(self) -> None:
         conn = getattr(self, "_conn", None)
