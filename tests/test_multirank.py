@@ -290,7 +290,8 @@ def test_a_restart_on_nodes_apart_resumes_without_waiting_for_what_rank_0_never_
     on t2 and committing it, rank 1 committed and persisted t2, and both trainers died. The
     restarted ranks agree on t1, held in memory only, and persist it to share it; rank 1's
     agent still awaits t2's commit marker (for the commit timeout after its trainer left).
-    Resuming waits for t1 alone: t2 is still awaited when the ranks have loaded t1."""
+    Resuming waits for t1 alone: t2 is still awaited when the ranks have loaded t1 and
+    found its file (get_latest_checkpoint_path waits for this trainer's checkpoints only)."""
     store = str(tmp_path / "ckpt")
     runtime = tempfile.mkdtemp(prefix="nbrt-")
     env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime,
@@ -302,7 +303,7 @@ def test_a_restart_on_nodes_apart_resumes_without_waiting_for_what_rank_0_never_
     finally:
         remove_runtime_dir(runtime)
     for r in resumed:
-        assert r["latest"] == "t1" and r["loads"], r
+        assert r["latest"] == "t1" and r["loads"] and r["path_tag"] == "t1", r
     assert resumed[0]["t2"] is None  # never committed on rank 0
     assert resumed[1]["t2"] == {"persisted": True, "store_committed": False, "failed": False}
     t2 = os.path.join(store, "t2")

@@ -268,6 +268,7 @@ class _Session:
         self.open: dict[str, _OpenVersion] = {}
         self.placeholders = Placeholders()  # DeepSpeed's files in its save_dir
         self.deepspeed_loaded: set[tuple[str, str]] = set()  # versions DeepSpeed loaded
+        self.committed: set[tuple[str, str]] = set()  # versions this session committed
         self.last_persist: float | None = None
         # Version names continue after every one of this run's in the store and in the
         # agent's memory (a run id may be reused), and are never reused within the run.
@@ -445,12 +446,10 @@ class _Session:
             if (tag, version) in torn or (tag, version) in failed:
                 continue
             try:
-                self.engine.commit(tag, version, seq, persist)
+                self.commit(tag, version, seq, persist)
             except NebuliteError as e:  # raised by the next call, never inside a step
                 self._fail_staged(tag, version, "Staging", (
                     f"checkpoint {tag!r} ({version}) was not committed: {e}"))
-                continue
-            self.placeholders.committed(tag, version, self.rank)
         self.pending = landing + self.pending
         if not on_device:
             self.sealer.drain()  # every job is done: its thread ends, as the stager's did
@@ -565,6 +564,23 @@ class _Session:
         taken = [(str(c), str(m)) for c, m in self.engine.take_errors()]
         torn, self.staging_errors = self.staging_errors, []
         return torn + taken
+
+    def commit(self, tag: str, version: str, seq: int, persist: bool) -> None:
+        """Commits `version` of `tag` in the engine (every object of it staged)."""
+        self.engine.commit(tag, version, seq, persist)
+        self.placeholders.committed(tag, version, self.rank)
+        self.committed.add((tag, version))
+
+    def flush_committed(self, timeout: float) -> None:
+        """Waits until the versions this session committed and queued for the store are
+        committed there, raising the failure of one that failed. Unlike the engine's
+        flush, not for the versions of an earlier trainer that the node agent still
+        persists or awaits the commit of."""
+        deadline = time.monotonic() + timeout
+        for v in self.engine.versions():
+            if (v["tag"], v["version"]) in self.committed and v["persist_requested"]:
+                self.engine.flush_version(v["tag"], v["version"],
+                                          max(0.0, deadline - time.monotonic()))
 
     def raise_background_errors(self) -> None:
         """Raises what failed in the background on this rank. With several coordinated
@@ -944,8 +960,7 @@ class Checkpoint:
             # Committed by the barrier once its deferred copies landed unchanged.
             s.held_commits.append((self.tag, v.version, seq, persist))
         else:
-            s.engine.commit(self.tag, v.version, seq, persist)
-            s.placeholders.committed(self.tag, v.version, s.rank)
+            s.commit(self.tag, v.version, seq, persist)
         if persist:
             s.last_persist = now
         self._written = v.version
@@ -1495,7 +1510,7 @@ def get_latest_checkpoint_path(name: str, persist_path: str | os.PathLike[str] |
     if s is not None and s.root is not None and s.root == root:
         with _lock:
             s.wait_staged()
-        s.engine.flush(s.config.commit_timeout)
+        s.flush_committed(s.config.commit_timeout)
         s.raise_background_errors()
     with _lock:
         if root is None or not store_exists(root):

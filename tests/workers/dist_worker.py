@@ -23,8 +23,9 @@ Modes:
                           PHASE crash: t0 is persisted, t1 committed to memory only; for t2
                           rank 0 dies between the ranks' agreement and its own commit, and
                           rank 1 commits and persists t2, then dies too. PHASE resume: a new
-                          job over the same agents finds the latest checkpoint (t1) and
-                          loads it; each rank reports what its agent says of t2.
+                          job over the same agents finds the latest checkpoint (t1),
+                          loads it and finds its persisted file; each rank reports what
+                          its agent says of t2.
 Prints one JSON line "RESULT {...}" on success and exits 0.
 """
 
@@ -430,6 +431,9 @@ def run_rank0_dies(store: str, rank: int, world: int, port: int, phase: str) -> 
     out: dict = {"rank": rank, "latest": latest.tag, "t2": None}
     if latest.tag:
         out["loads"] = same(latest.load(f"shard_rank{rank}"), shard(rank, 1))
+    # Lightning's way to resume: the newest persisted file (t1's, persisted above)
+    path = nm.get_latest_checkpoint_path(f"shard_rank{rank}", store)
+    out["path_tag"] = os.path.relpath(path, store).split(os.sep)[0]
     for v in engine.versions():
         if v["tag"] == "t2":
             out["t2"] = {k: v[k] for k in ("persisted", "store_committed", "failed")}
