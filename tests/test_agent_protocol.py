@@ -370,8 +370,9 @@ def test_a_version_rank_0_left_uncommitted_in_this_agent_is_not_waited_for(
         make_agent, connect, tmp_path, caplog):
     """Both ranks of a run served by one agent: once rank 0's trainer left without
     committing a version that rank 1 committed and persisted, rank 1's wait for its marker
-    ends at once, not the commit timeout later: nothing would ever commit it. A version
-    rank 0 committed is committed in the store as usual."""
+    ends once no rank 0 trainer of the run is attached, not the commit timeout later:
+    nothing would ever commit it. A version rank 0 committed is committed in the store as
+    usual."""
     store = tmp_path / "store"
     agent = make_agent(root=str(store), commit_timeout=3600)
     ranks = [connect(agent) for _ in range(2)]
@@ -392,11 +393,19 @@ def test_a_version_rank_0_left_uncommitted_in_this_agent_is_not_waited_for(
     ranks[0].request(dict({"tag": "t", "version": "v2", "name": "x"}, op="reserve",
                           records=[["data.pkl", 16]]))
     ranks[0].close()  # killed mid-save: v2 never committed on rank 0
+    # While a rank 0 trainer of the run is attached (one restarted with the same run id),
+    # it may still commit what rank 1 committed: nothing is given up.
+    rank_0_again = connect(agent)
+    assert rank_0_again.request({"op": "hello", "version": protocol.VERSION, "rank": 0,
+                                 "world_size": 2, "run": "run0001"})["ok"]
     deadline = time.monotonic() + 60  # a bound on a hang, not a timing
     while not (store / "t" / "v2" / "rank1.manifest").exists():
         assert time.monotonic() < deadline, "rank 1 never persisted its manifest"
         time.sleep(0.01)
     ranks[1].close()
+    time.sleep(0.5)  # the clean-up's chance to give up too early (it looks every 50 ms)
+    assert agent.cleanups == 1 and "but rank 0" not in caplog.text
+    rank_0_again.close()
     _wait_for_cleanups(agent)  # within a minute, against a commit timeout of an hour
     assert (store / "t" / "v1" / "COMMITTED").exists()
     assert (store / "t" / "v2" / "rank1.manifest").exists()

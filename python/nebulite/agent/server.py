@@ -80,9 +80,10 @@ class Agent:
         self.commit_lock = threading.Lock()
         self.newest_seq = 0
         self.runs: dict[str, list[int]] = {}  # run id -> [lock fd, references]
-        # (run id, world size) of the runs whose rank 0 trainer left this agent: what that
-        # rank had not committed then, it never will (see _clean_up_after)
-        self.rank_0_left: set[tuple[str, int]] = set()
+        # (run id, world size) -> rank 0 trainers of that run attached here now (0 once the
+        # last one left: what rank 0 had not committed then, it never will; see
+        # _left_uncommitted_by_rank_0)
+        self.rank_0_trainers: dict[tuple[str, int], int] = {}
         self.cleanups = 0  # detached trainers whose leftovers are still being removed
         self.clients = 0
         self.stopping = False  # asked to stop: no new trainer, exit once persisted
@@ -324,7 +325,8 @@ class Agent:
             held[1] -= 1
             if held[1] == 0:
                 del self.runs[run]
-                self.rank_0_left = {(r, w) for r, w in self.rank_0_left if r != run}
+                self.rank_0_trainers = {k: n for k, n in self.rank_0_trainers.items()
+                                        if k[0] != run}
                 if held[0] is not None:
                     held[0].release()
 
@@ -358,12 +360,12 @@ class Agent:
 
     def _left_uncommitted_by_rank_0(self, c: _Connection) -> set[tuple[str, str]]:
         """Of the versions departed trainer `c` (not rank 0) committed, those that rank 0
-        of its run does not hold committed, once rank 0's trainer left this agent; else
-        none (rank 0 may still commit them, or serves on another node)."""
+        of its run does not hold committed, once every rank 0 trainer of that run left this
+        agent; else none (rank 0 may still commit them, or serves on another node)."""
         if c.rank == 0 or c.run is None or c.key is None:
             return set()
         with self.lock:
-            left = (c.run, c.key[1]) in self.rank_0_left
+            left = self.rank_0_trainers.get((c.run, c.key[1])) == 0
             rank_0 = self.engines.get((0, c.key[1]))
         if not left or rank_0 is None:
             return set()
@@ -447,7 +449,7 @@ class Agent:
         c.sock.close()
         with self.lock:
             if c.rank == 0 and c.run is not None and c.key is not None:
-                self.rank_0_left.add((c.run, c.key[1]))
+                self.rank_0_trainers[(c.run, c.key[1])] -= 1
             self.clients -= 1
             self.cleanups += 1
             self.last_detach = time.monotonic()
@@ -493,6 +495,10 @@ class Agent:
                 self._learn_store_order()
                 c.key = (rank, world)
                 c.rank = rank
+                if rank == 0 and c.run is not None:
+                    with self.lock:
+                        key = (c.run, world)
+                        self.rank_0_trainers[key] = self.rank_0_trainers.get(key, 0) + 1
                 reply = {"ok": True, "capacity": self.arena.capacity, "pid": os.getpid()}
                 slot = self.error_counts.slot(c.key)
                 if r.get("error_counts") is True and slot is not None:
