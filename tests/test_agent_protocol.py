@@ -425,3 +425,35 @@ def test_engine_waits_refuse_nan_and_cap_what_never_ends(tmp_path):
     with pytest.raises(errors.InvalidArgumentError, match="NaN"):
         _core.Engine.open("", memory_bytes=8 << 20, reserve_timeout=float("nan"))
     e.close(float("inf"))
+
+
+class _WatchedAgent(server.Agent):
+    """An agent that keeps, per connection, how much it remembered when it ended."""
+
+    remembered: list[tuple[int, int]]
+
+    def _detach(self, c):
+        self.remembered.append((len(c.staged), len(c.committed)))
+        super()._detach(c)
+
+
+def test_a_trainer_committing_for_long_leaves_the_agent_bounded(make_agent, connect):
+    """The versions the agent remembers per trainer (to abandon what it never committed,
+    and to stop waiting for what its rank 0 never will) follow what the engine still holds,
+    not every checkpoint the trainer made: one entry per checkpoint would grow for weeks."""
+    agent = make_agent(agent_class=_WatchedAgent)
+    agent.remembered = []
+    c = connect(agent)
+    c.hello()
+    for i in range(300):
+        _save(c, f"t{i}")
+    used = agent.status()["used"]
+    # Staged but not committed when the trainer went: still abandoned, its memory freed.
+    assert c.request({"op": "reserve", "tag": "open", "version": "v1", "name": "x",
+                      "records": [["data.pkl", 16]]})["ok"]
+    c.close()
+    _wait_for_cleanups(agent)
+    (staged, committed), = agent.remembered
+    assert staged == 1 and committed < 100, agent.remembered
+    assert agent.status()["used"] == used
+    assert "open" not in {v["tag"] for v in agent.status()["versions"]}

@@ -120,3 +120,20 @@ def test_any_failed_save_releases_its_checkpoint(mode, store):
     _expect_latest("partial", objects)
     assert [e["tag"] for e in nebulite.list_checkpoints()] == ["partial"]
     nebulite.flush_persistence()
+
+
+def test_a_long_run_of_checkpoints_keeps_bookkeeping_bounded(mode, store):
+    """What a session remembers of the versions it committed (get_latest_checkpoint_path
+    waits for those still on their way to the store) follows what retention keeps, not
+    every checkpoint since init(): a trainer that checkpoints every step for weeks would
+    otherwise grow by one entry per checkpoint."""
+    _init(mode, store, num_of_version_in_retention=1)
+    for step in range(300):
+        ck = nebulite.Checkpoint(f"step{step}")
+        ck.save("state", {"step": step})
+        assert ck.commit()
+    remembered = len(nebulite.api._session.committed)
+    assert remembered < 100, f"{remembered} versions remembered with a retention of 1"
+    nebulite.flush_persistence()
+    path = nebulite.get_latest_checkpoint_path("state")
+    assert torch.load(path, weights_only=True) == {"step": 299}

@@ -59,6 +59,9 @@ _lock = threading.RLock()
 #: loss scaler objects, and client states hold whatever the training script put there
 #: (an argparse.Namespace, enums). DeepSpeed reads the same files with
 #: torch.load(weights_only=False) when Nebula is off; nebulite follows the framework.
+#: How many committed versions a session remembers before it forgets those its engine no
+#: longer holds (see _Session.commit).
+_FORGET_AT = 64
 _FULL_UNPICKLING_CALLERS = frozenset({"deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine"})
 
 
@@ -268,7 +271,9 @@ class _Session:
         self.open: dict[str, _OpenVersion] = {}
         self.placeholders = Placeholders()  # DeepSpeed's files in its save_dir
         self.deepspeed_loaded: set[tuple[str, str]] = set()  # versions DeepSpeed loaded
-        self.committed: set[tuple[str, str]] = set()  # versions this session committed
+        # The versions this session committed that the engine may still hold (see commit()).
+        self.committed: set[tuple[str, str]] = set()
+        self._forget_at = _FORGET_AT
         self.last_persist: float | None = None
         # Version names continue after every one of this run's in the store and in the
         # agent's memory (a run id may be reused), and are never reused within the run.
@@ -570,6 +575,17 @@ class _Session:
         self.engine.commit(tag, version, seq, persist)
         self.placeholders.committed(tag, version, self.rank)
         self.committed.add((tag, version))
+        if len(self.committed) >= self._forget_at:
+            # Only the versions the engine still holds can be waited for (flush_committed):
+            # once the set doubled, the others are forgotten (one request to an agent per
+            # tens of commits), so that a job checkpointing every step does not grow. The
+            # commit stands whatever the look-up met: a lost agent is the next call's error.
+            try:
+                held = {(v["tag"], v["version"]) for v in self.engine.versions()}
+            except NebuliteError:
+                return
+            self.committed &= held
+            self._forget_at = max(_FORGET_AT, 2 * len(self.committed))
 
     def flush_committed(self, timeout: float) -> None:
         """Waits until the versions this session committed and queued for the store are
@@ -578,7 +594,8 @@ class _Session:
         persists or awaits the commit of."""
         deadline = time.monotonic() + timeout
         for v in self.engine.versions():
-            if (v["tag"], v["version"]) in self.committed and v["persist_requested"]:
+            if ((v["tag"], v["version"]) in self.committed and v["persist_requested"]
+                    and not v["store_committed"]):
                 self.engine.flush_version(v["tag"], v["version"],
                                           max(0.0, deadline - time.monotonic()))
 

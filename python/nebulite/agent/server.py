@@ -40,6 +40,11 @@ MAX_WORLD_SIZE = 1 << 20
 _RUN_ID = re.compile(r"^[0-9a-zA-Z]{1,64}$")
 
 
+#: How many committed versions a connection remembers before it forgets those its engine
+#: no longer holds (see Agent._remember_commit).
+_FORGET_AT = 64
+
+
 class _Connection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -48,8 +53,11 @@ class _Connection:
         self.rank = 0
         self.run: str | None = None
         self.reserved: set[tuple[str, str, str]] = set()
-        self.staged: set[tuple[str, str]] = set()  # versions this trainer put objects in
+        # Versions this trainer put objects in and has not committed (abandoned when it
+        # goes), and those it committed that the engine still holds (see _remember_commit).
+        self.staged: set[tuple[str, str]] = set()
         self.committed: set[tuple[str, str]] = set()
+        self.forget_at = _FORGET_AT
         self.leases: dict[int, tuple[tuple[int, int], Any]] = {}  # id -> (engine key, lease)
         self.next_lease = 1
 
@@ -334,8 +342,9 @@ class Agent:
         """Keeps a departed trainer's run alive until what it committed is in the store
         (the engine removes what it wrote of versions it never committed), up to the
         commit timeout, and then until its versions are written and no longer awaited.
-        On a rank other than 0 whose rank 0 served here too, a version that rank 0's
-        trainer left without committing is not waited for: nothing would commit it."""
+        On a rank other than 0 whose rank 0 served here too, a version that rank 0 does not
+        hold committed is not waited for once no rank 0 trainer of the run is attached:
+        nothing would commit it (see _left_uncommitted_by_rank_0)."""
         try:
             if self.root and c.engine is not None:  # what it committed must reach the store first
                 deadline = time.monotonic() + self.commit_timeout
@@ -395,6 +404,18 @@ class Agent:
                             "uncommitted", c.rank, v["version"], v["tag"], why)
         return writing and not self.closed
 
+    @staticmethod
+    def _remember_commit(c: _Connection, tag: str, version: str) -> None:
+        """Trainer `c` committed (tag, version): nothing of it is abandoned when it goes.
+        Of what it committed, only the versions its engine still holds can matter (to
+        _stop_awaiting_commits): once the set doubled, the others are forgotten, so that a
+        trainer that checkpoints every step for weeks does not grow the agent."""
+        c.staged.discard((tag, version))
+        c.committed.add((tag, version))
+        if len(c.committed) >= c.forget_at:
+            c.committed &= {(v["tag"], v["version"]) for v in c.engine.versions()}
+            c.forget_at = max(_FORGET_AT, 2 * len(c.committed))
+
     # -- one trainer ---------------------------------------------------------
 
     def _serve(self, sock: socket.socket) -> None:
@@ -438,7 +459,7 @@ class Agent:
             except errors.NebuliteError:
                 pass
         # Versions it never committed can never be: their memory goes back at once.
-        abandoned = sorted(c.staged - c.committed)
+        abandoned = sorted(c.staged)
         for tag, version in abandoned:
             try:
                 c.engine.abandon(tag, version)
@@ -547,7 +568,7 @@ class Agent:
             if op == "commit":
                 tag, version = _str(r, "tag"), _str(r, "version")
                 seq = self._commit(e, tag, version, bool(r.get("persist")))
-                c.committed.add((tag, version))
+                self._remember_commit(c, tag, version)
                 return {"ok": True, "seq": seq}, []
             if op == "persist":
                 e.persist(_str(r, "tag"), _str(r, "version"))
