@@ -4,9 +4,12 @@ gcp-storage-emulator, each behind a fault-injecting proxy where a test needs fau
 from __future__ import annotations
 
 import os
+import re
+import threading
 import uuid
 
 import pytest
+from conftest import HANG_TIMEOUT
 
 from http_faults import FaultProxy
 from object_stores import (  # noqa: F401 - fixtures
@@ -240,6 +243,26 @@ def test_transient_failures_are_retried(object_store, store_env, monkeypatch, st
         assert c.head("small")[0] == 5
         proxy.fail_next(2, status=status)
         assert [o[0] for o in c.list("", True)[0]] == ["big", "small"]
+
+
+def test_a_gs_client_sends_no_request_beside_its_calls(gcs_emulator, monkeypatch):
+    """google-cloud-storage (3.17 and later) fetches a bucket's metadata on a thread of its
+    own at a client's first call, for tracing attributes; nebulite's client asks for none.
+    That request would need storage.buckets.get, which a checkpoint writer may lack, and
+    it would run alongside the calls (a fault test counting one call's requests met it)."""
+    before = set(threading.enumerate())
+    with FaultProxy(_upstream(gcs_emulator)) as proxy:
+        _point_at(gcs_emulator, proxy, monkeypatch)
+        c = stores.open_client(gcs_emulator.new_url())
+        put(c, "k", b"data")
+        assert read_all(c, "k") == b"data"
+        # What the calls left running (a client's own threads) ends before the count.
+        for t in set(threading.enumerate()) - before:
+            if not t.name.endswith(("(serve_forever)", "(process_request_thread)")):
+                t.join(timeout=HANG_TIMEOUT)
+        on_the_bucket = [r for r in proxy.requests
+                         if re.fullmatch(r"/storage/v1/b/[^/?]+(\?.*)?", r[1])]
+        assert on_the_bucket == [], proxy.requests
 
 
 def test_connection_resets_are_retried(object_store, store_env, monkeypatch):

@@ -82,6 +82,12 @@ class GcsClient:
         )
         self._client._http.mount("https://", adapter)
         self._client._http.mount("http://", adapter)
+        # google-cloud-storage (3.17 and later) fetches a bucket's metadata on a thread of
+        # its own at the client's first call, for tracing attributes that nebulite does
+        # not use. That is one more request per bucket, it needs storage.buckets.get, and
+        # it runs alongside the calls made through this client.
+        if getattr(self._client, "_bucket_metadata_cache", None) is not None:
+            self._client._bucket_metadata_cache = None
         self._bucket = self._client.bucket(bucket)
 
     # --- helpers -------------------------------------------------------------------------
