@@ -26,6 +26,7 @@ from typing import Any, Iterable
 import torch
 
 from . import _core, _device, _dist, _pinned, _stager, _staging, _waiting
+from ._committed import CommittedVersions
 from ._save_dir import Placeholders
 from ._config import Config, is_store_url, parse_path, parse_seconds, read_threads, store_exists
 from ._serialization import (ArchiveSource, flatten, load_archive, new_buffer, resolve_weights_only,
@@ -59,9 +60,6 @@ _lock = threading.RLock()
 #: loss scaler objects, and client states hold whatever the training script put there
 #: (an argparse.Namespace, enums). DeepSpeed reads the same files with
 #: torch.load(weights_only=False) when Nebula is off; nebulite follows the framework.
-#: How many committed versions a session remembers before it forgets those its engine no
-#: longer holds (see _Session.commit).
-_FORGET_AT = 64
 _FULL_UNPICKLING_CALLERS = frozenset({"deepspeed.runtime.checkpoint_engine.nebula_checkpoint_engine"})
 
 
@@ -271,9 +269,7 @@ class _Session:
         self.open: dict[str, _OpenVersion] = {}
         self.placeholders = Placeholders()  # DeepSpeed's files in its save_dir
         self.deepspeed_loaded: set[tuple[str, str]] = set()  # versions DeepSpeed loaded
-        # The versions this session committed that the engine may still hold (see commit()).
-        self.committed: set[tuple[str, str]] = set()
-        self._forget_at = _FORGET_AT
+        self.committed = CommittedVersions()  # what this session committed
         self.last_persist: float | None = None
         # Version names continue after every one of this run's in the store and in the
         # agent's memory (a run id may be reused), and are never reused within the run.
@@ -574,18 +570,10 @@ class _Session:
         """Commits `version` of `tag` in the engine (every object of it staged)."""
         self.engine.commit(tag, version, seq, persist)
         self.placeholders.committed(tag, version, self.rank)
-        self.committed.add((tag, version))
-        if len(self.committed) >= self._forget_at:
-            # Only the versions the engine still holds can be waited for (flush_committed):
-            # once the set doubled, the others are forgotten (one request to an agent per
-            # tens of commits), so that a job checkpointing every step does not grow. The
-            # commit stands whatever the look-up met: a lost agent is the next call's error.
-            try:
-                held = {(v["tag"], v["version"]) for v in self.engine.versions()}
-            except NebuliteError:
-                return
-            self.committed &= held
-            self._forget_at = max(_FORGET_AT, 2 * len(self.committed))
+        try:  # (with an agent, its look-up is one request per tens of commits)
+            self.committed.remember(tag, version, self.engine.versions)
+        except NebuliteError:
+            pass  # the commit stands: a lost agent is the next call's error
 
     def flush_committed(self, timeout: float) -> None:
         """Waits until the versions this session committed and queued for the store are

@@ -28,6 +28,7 @@ import time
 from typing import Any
 
 from .. import _core, errors
+from .._committed import CommittedVersions
 from .._config import parse_path
 from . import error_counts, protocol
 
@@ -40,11 +41,6 @@ MAX_WORLD_SIZE = 1 << 20
 _RUN_ID = re.compile(r"^[0-9a-zA-Z]{1,64}$")
 
 
-#: How many committed versions a connection remembers before it forgets those its engine
-#: no longer holds (see Agent._remember_commit).
-_FORGET_AT = 64
-
-
 class _Connection:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -54,10 +50,9 @@ class _Connection:
         self.run: str | None = None
         self.reserved: set[tuple[str, str, str]] = set()
         # Versions this trainer put objects in and has not committed (abandoned when it
-        # goes), and those it committed that the engine still holds (see _remember_commit).
+        # goes), and those it committed that the engine still holds.
         self.staged: set[tuple[str, str]] = set()
-        self.committed: set[tuple[str, str]] = set()
-        self.forget_at = _FORGET_AT
+        self.committed = CommittedVersions()
         self.leases: dict[int, tuple[tuple[int, int], Any]] = {}  # id -> (engine key, lease)
         self.next_lease = 1
 
@@ -404,18 +399,6 @@ class Agent:
                             "uncommitted", c.rank, v["version"], v["tag"], why)
         return writing and not self.closed
 
-    @staticmethod
-    def _remember_commit(c: _Connection, tag: str, version: str) -> None:
-        """Trainer `c` committed (tag, version): nothing of it is abandoned when it goes.
-        Of what it committed, only the versions its engine still holds can matter (to
-        _stop_awaiting_commits): once the set doubled, the others are forgotten, so that a
-        trainer that checkpoints every step for weeks does not grow the agent."""
-        c.staged.discard((tag, version))
-        c.committed.add((tag, version))
-        if len(c.committed) >= c.forget_at:
-            c.committed &= {(v["tag"], v["version"]) for v in c.engine.versions()}
-            c.forget_at = max(_FORGET_AT, 2 * len(c.committed))
-
     # -- one trainer ---------------------------------------------------------
 
     def _serve(self, sock: socket.socket) -> None:
@@ -568,7 +551,8 @@ class Agent:
             if op == "commit":
                 tag, version = _str(r, "tag"), _str(r, "version")
                 seq = self._commit(e, tag, version, bool(r.get("persist")))
-                self._remember_commit(c, tag, version)
+                c.staged.discard((tag, version))  # nothing of it is abandoned when c goes
+                c.committed.remember(tag, version, e.versions)
                 return {"ok": True, "seq": seq}, []
             if op == "persist":
                 e.persist(_str(r, "tag"), _str(r, "version"))
