@@ -300,6 +300,32 @@ def test_a_pin_never_waits_for_a_writer():
     assert r.stdout.strip() == "refused"
 
 
+def test_must_persist_foresees_what_the_ranks_of_the_node_still_stage(make_agent, connect):
+    """A coordinated trainer asks, at the commit, whether what its staging thread still has
+    to stage fits in memory; the agent counts the same for each rank of the run it serves
+    (they share its memory and stage alike)."""
+    agent = make_agent()  # 16 MiB
+    ranks = [connect(agent) for _ in range(2)]
+    for rank, conn in enumerate(ranks):
+        assert conn.request({"op": "hello", "version": protocol.VERSION, "rank": rank,
+                             "world_size": 2})["ok"]
+
+    def must(conn: _Served, unstaged: object) -> object:
+        reply = conn.request({"op": "must_persist", "tag": "t", "version": "v1",
+                              "unstaged_bytes": unstaged})
+        return reply["value"] if reply["ok"] else reply["error"]["type"]
+
+    assert must(ranks[1], 0) is False
+    assert must(ranks[1], 7 << 20) is False  # 14 MiB for both ranks
+    assert must(ranks[1], 9 << 20) is True  # 18 MiB
+    assert must(ranks[1], -1) == "InvalidArgumentError"
+    assert must(ranks[1], "9") == "InvalidArgumentError"
+    ranks[0].close()
+    _wait_for_cleanups(agent)
+    assert must(ranks[1], 9 << 20) is False  # alone now
+    assert must(ranks[1], 17 << 20) is True
+
+
 def test_a_second_hello_is_refused(make_agent, connect):
     agent = make_agent()
     c = connect(agent)

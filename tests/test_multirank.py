@@ -7,6 +7,7 @@ environment, so the children import the same nebulite as the test.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -341,13 +342,31 @@ def test_a_background_error_on_one_rank_is_raised_by_every_rank(store):
     assert results[0]["raised"] == results[1]["raised"]
 
 
+def test_checkpoints_that_will_not_fit_in_memory_are_persisted_by_every_rank(store):
+    """Coordinated ranks with asynchronous staging and a long persistent_time_interval
+    agree at the commit whether a checkpoint stays in memory only, before the staging
+    thread of a rank has staged its objects: a checkpoint that rank 1's memory tier cannot
+    hold beside the newest one (which stays while it is in memory only) is persisted by
+    every rank, and none fails."""
+    results = _run_ranks("streamed_async", store, 2, "yes")
+    for r in results:
+        assert r["raised"] is None, r
+        assert r["latest"] == "c3" and r["latest_loads"], r
+    stored = {path.split(os.sep)[-3] for path in glob.glob(os.path.join(store, "*", "*",
+                                                                        "COMMITTED"))}
+    # c0 is persisted as the first checkpoint is; c1 fits beside c0 (being persisted, its
+    # memory comes back); c2 does not fit beside c1, which is in memory only.
+    assert {"c0", "c2"} <= stored and "c1" not in stored, stored
+
+
 def test_an_object_streamed_after_save_fails_its_checkpoint_on_that_rank_only(store):
-    """Coordinated ranks with asynchronous staging commit a checkpoint to memory only; an
-    object that rank 1's staging thread then streams to the store (its memory tier was full)
-    fails that checkpoint on rank 1, reported by its next call, never inside a step, and the
-    ranks still agree on a latest checkpoint both hold, without trying to persist (and waiting
-    in the store for) one that rank 1 lacks."""
-    results = _run_ranks("streamed_async", store, 2)
+    """Coordinated ranks with asynchronous staging commit a checkpoint to memory only, as
+    the engine foresaw; when an object that rank 1's staging thread then stages proves it
+    wrong (the memory tier was full: here the engine was not asked) and streams to the store,
+    it fails that checkpoint on rank 1, reported by its next call, never inside a step, and
+    the ranks still agree on a latest checkpoint both hold, without trying to persist (and
+    waiting in the store for) one that rank 1 lacks."""
+    results = _run_ranks("streamed_async", store, 2, "no")
     for r in results:
         assert not any("could not be persisted" in m for m in r["persisting"]), r
     assert results[0]["raised"] is None, results

@@ -271,7 +271,8 @@ void RegisterEngine(nb::module_& m) {
              }
              ThrowIfError(st);
            })
-      .def("must_persist", &Engine::MustPersist)
+      .def("must_persist", &Engine::MustPersist, nb::arg("tag"), nb::arg("version"),
+           nb::arg("unstaged_bytes") = 0)
       .def("wait_staged",
            [](Engine& e) {
              nb::gil_scoped_release release;

@@ -17,15 +17,17 @@ from typing import Any, Callable
 
 
 class Job:
-    """One piece of work; `result` or `error` once `done` (wait for it with drain())."""
+    """One piece of work; `result` or `error` once `done` (wait for it with drain()).
+    `nbytes`: at most how much memory it will stage (as its submitter estimated)."""
 
-    __slots__ = ("fn", "done", "result", "error")
+    __slots__ = ("fn", "done", "result", "error", "nbytes")
 
-    def __init__(self, fn: Callable[[], Any]) -> None:
+    def __init__(self, fn: Callable[[], Any], nbytes: int = 0) -> None:
         self.fn: Callable[[], Any] | None = fn
         self.done = False
         self.result: Any = None
         self.error: BaseException | None = None
+        self.nbytes = nbytes
 
 
 class Stager:
@@ -42,9 +44,9 @@ class Stager:
         self._stop = False
         self._closed = False
 
-    def submit(self, fn: Callable[[], Any]) -> Job:
-        """Queues `fn`; it runs after the next start()."""
-        job = Job(fn)
+    def submit(self, fn: Callable[[], Any], nbytes: int = 0) -> Job:
+        """Queues `fn` (that will stage at most `nbytes`); it runs after the next start()."""
+        job = Job(fn, nbytes)
         with self._cv:
             if self._closed:
                 raise RuntimeError("the staging thread is closed")

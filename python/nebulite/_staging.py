@@ -153,6 +153,12 @@ class Scanned:
         # device -> the event save() recorded on its current stream (see nebulite._device)
         self.marks: dict[torch.device, Any] = {}
 
+    @property
+    def image_bytes(self) -> int:
+        """At most how large the object's data file will be (docs/format.md): its storages,
+        each payload aligned to 4096 bytes behind a header of its own, and the skeleton."""
+        return self.storage_bytes + len(self._storage_list) * (4096 + 512) + (64 << 10)
+
     @functools.cached_property
     def views(self) -> dict[int, list[tuple[torch.Tensor, int]]]:
         """id(storage) -> [(tensor, _version at save())]"""

@@ -462,7 +462,9 @@ class _Session:
         """A held commit to memory only of a version that the staging thread streamed an
         object of (the memory tier was full) persists it, in `held`: the object is in the
         store only, as a synchronous save's commit does. Coordinated ranks agreed at the
-        commit to keep it in memory, and a version is persisted by every rank or none: the
+        commit to keep it in memory, the engine having foreseen that it would fit (memory
+        that another engine of the node took since, or free memory in pieces too small for
+        it, can prove that wrong), and a version is persisted by every rank or none: the
         version fails on this rank, in `failed`. (A version committed after the staging is
         persisted by its commit: the engine's must_persist knows.)"""
         streamed = {(tag, version): name for tag, version, name, records in pending
@@ -547,6 +549,16 @@ class _Session:
             if t == tag and v == version:
                 return True
         return False
+
+    def unstaged_bytes(self) -> int:
+        """With coordinated ranks, at most how much memory the staging thread has still to
+        stage into (the objects asynchronous saves left to it): what must fit for the
+        version committed now to stay in memory only. 0 otherwise (see
+        barrier_decides_persist)."""
+        if not self.coordinated:
+            return 0
+        return sum(job.nbytes for _, _, _, job in self.pending
+                   if isinstance(job, _stager.Job) and not job.done)
 
     def barrier_decides_persist(self, v: _OpenVersion) -> bool:
         """True if the barrier learns whether `v` must be persisted, so that its commit
@@ -858,7 +870,7 @@ class Checkpoint:
                         scanned.marks = _device.mark(scanned.devices)
                     job = s.stager.submit(functools.partial(
                         _stage_scanned, s.engine, s.sealer, self.tag, v.version, name, s.rank,
-                        scanned, persist_now))
+                        scanned, persist_now), scanned.image_bytes)
                     s.pending.append((self.tag, v.version, name, job))
                 else:
                     s.stager.drain()  # a version's objects are staged in the order saved
@@ -916,9 +928,10 @@ class Checkpoint:
             s.last_persist is None or now - s.last_persist >= s.config.persistent_time_interval
         )
         # An object streamed to the store must be persisted. The engine knows of the objects
-        # staged so far; of those the staging thread stages, the barrier learns it itself.
+        # staged so far; of those the staging thread stages, the barrier learns it itself,
+        # but coordinated ranks agree now: the engine foresees whether they will fit.
         must_here = int(v is not None and not s.barrier_decides_persist(v)
-                        and s.engine.must_persist(self.tag, v.version))
+                        and s.engine.must_persist(self.tag, v.version, s.unstaged_bytes()))
         if s.rank == 0 and isinstance(s.engine, _core.Engine):
             # The commit order continues after this session's commits and the store's as
             # far as they are known without a request (read at init; then each commit in

@@ -288,12 +288,17 @@ def run_rank_error(store: str, rank: int, world: int, port: int) -> dict:
     os._exit(0)  # t1 and t2 are not to be persisted: do not wait for them at exit
 
 
-def run_streamed_async(store: str, rank: int, world: int, port: int) -> dict:
+def run_streamed_async(store: str, rank: int, world: int, port: int, foresee: str) -> dict:
     """Asynchronous staging with coordinated ranks and a memory tier that rank 1's state
-    outgrows: an object its staging thread streams to the store fails that checkpoint on
-    rank 1 (the ranks had committed it to memory only); no step raises."""
+    outgrows. With `foresee` "yes", the ranks persist each checkpoint that rank 1's engine
+    foresees will not fit; with "no", the engine is not asked (as when memory another
+    engine of the node took after the commit proves its answer wrong): an object rank 1's
+    staging thread streams to the store fails that checkpoint on rank 1 (the ranks had
+    committed it to memory only). No step raises."""
     import torch.distributed as dist
 
+    if foresee == "no":
+        nm.api._Session.unstaged_bytes = lambda self: 0  # type: ignore[method-assign]
     _init_dist(rank, world, port)
     width = 1024 if rank == 1 else 64  # rank 1: 4 MiB of weight and 4 of momentum
     model = torch.nn.Linear(width, width)
@@ -454,7 +459,7 @@ def main() -> None:
     elif mode == "rank_error":
         out = run_rank_error(store, rank, world, port)
     elif mode == "streamed_async":
-        out = run_streamed_async(store, rank, world, port)
+        out = run_streamed_async(store, rank, world, port, sys.argv[6])
     elif mode == "shard_save":
         out = run_shard_save(store, rank, world, port, int(sys.argv[6]))
     elif mode == "shard_resume":

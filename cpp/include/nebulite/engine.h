@@ -175,8 +175,13 @@ class Engine {
   // Waits until every deferred copy has landed in the arena; the sources of deferred
   // records may change after it returns.
   virtual void WaitStaged() = 0;
-  // True if some object of the version had to be streamed (it must be persisted).
-  virtual bool MustPersist(const std::string& tag, const std::string& version) = 0;
+  // True if the version must be persisted: some object of it had to be streamed, or
+  // `unstaged_bytes` (the images of its objects still to be staged, and of those queued
+  // before them) exceed the memory that reservations can take now: the arena's free bytes
+  // and what this engine's versions hold that may leave it (not the newest version while
+  // it is held in memory only). Such objects would be streamed once staged.
+  virtual bool MustPersist(const std::string& tag, const std::string& version,
+                           uint64_t unstaged_bytes) = 0;
   // Completes the version on this rank. `persist` queues it for the store.
   virtual Status Commit(const std::string& tag, const std::string& version, uint64_t seq,
                         bool persist) = 0;

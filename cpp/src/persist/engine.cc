@@ -365,10 +365,15 @@ class EngineImpl : public Engine {
 
   // -- committing and persisting --------------------------------------------------------
 
-  bool MustPersist(const std::string& tag, const std::string& version) override {
+  bool MustPersist(const std::string& tag, const std::string& version,
+                   uint64_t unstaged_bytes) override {
     std::lock_guard<std::mutex> lock(core_->mu);
     auto v = core_->versions.Find(tag, version);
-    return v && v->must_persist;
+    if (v && v->must_persist) return true;
+    if (unstaged_bytes == 0) return false;
+    const Arena& arena = *core_->arena;
+    const uint64_t free = arena.capacity() - std::min(arena.used(), arena.capacity());
+    return unstaged_bytes > free + core_->versions.Reclaimable();
   }
 
   // Completes the version on this rank. A version kept in memory only has its history rows

@@ -58,6 +58,18 @@ bool VersionTable::EvictOldest(bool durable_only) {
   return true;
 }
 
+uint64_t VersionTable::Reclaimable() const {
+  const VersionState* newest = NewestCommitted();
+  uint64_t bytes = 0;
+  for (const auto& v : versions_) {
+    if (!v->committed || v->evicted) continue;
+    if (v.get() == newest && !v->persisted && !(v->persist_requested && !v->failed)) continue;
+    for (const auto& o : v->objects)
+      if (o->in_memory) bytes += o->block.size;
+  }
+  return bytes;
+}
+
 void VersionTable::Collect() {
   versions_.remove_if([](const std::shared_ptr<VersionState>& v) {
     return v->evicted && v->pins == 0 && !v->PendingInStore();

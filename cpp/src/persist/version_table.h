@@ -93,6 +93,11 @@ class VersionTable {
   void Collect();
   // Keeps at most `retention` committed versions in memory (0: no limit), then Collect().
   void ApplyRetention();
+  // Bytes of the arena that this engine's versions hold and that reservations can have
+  // back without a newer commit: every committed version's, but the newest's while it is
+  // held in memory only (a version being persisted comes back once it is written, one
+  // being read once its reader is done).
+  uint64_t Reclaimable() const;
 
  private:
   bool Evictable(const VersionState& v, const VersionState* newest) const;

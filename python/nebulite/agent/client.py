@@ -488,8 +488,11 @@ class AgentEngine:
             e, self._job_error = self._job_error, None
             raise e
 
-    def must_persist(self, tag: str, version: str) -> bool:
-        return bool(self._call("must_persist", tag=tag, version=version)["value"])
+    def must_persist(self, tag: str, version: str, unstaged_bytes: int = 0) -> bool:
+        fields: dict[str, Any] = {"tag": tag, "version": version}
+        if unstaged_bytes:
+            fields["unstaged_bytes"] = unstaged_bytes
+        return bool(self._call("must_persist", **fields)["value"])
 
     def commit(self, tag: str, version: str, seq: int, persist: bool) -> None:
         """Commits on this rank. `seq` is not sent: the agent numbers commits itself."""

@@ -569,7 +569,16 @@ class Agent:
                 c.staged.discard((_str(r, "tag"), _str(r, "version")))
                 return {"ok": True}, []
             if op == "must_persist":
-                return {"ok": True, "value": e.must_persist(_str(r, "tag"), _str(r, "version"))}, []
+                # What a trainer has still to stage, the node's other ranks of its run stage
+                # too, into the same memory, at the same time (their shares are alike).
+                unstaged = _count(r.get("unstaged_bytes", 0), "unstaged_bytes")
+                if unstaged:
+                    with self.lock:
+                        ranks = sum(1 for (_, world), n in self.users.items()
+                                    if n and c.key is not None and world == c.key[1])
+                    unstaged = min(unstaged * max(1, ranks), (1 << 63) - 1)
+                return {"ok": True, "value": e.must_persist(_str(r, "tag"), _str(r, "version"),
+                                                            unstaged)}, []
             if op == "versions":
                 return {"ok": True, "versions": list(e.versions())}, []
             if op == "pin":
