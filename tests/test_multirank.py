@@ -348,15 +348,37 @@ def test_checkpoints_that_will_not_fit_in_memory_are_persisted_by_every_rank(sto
     thread of a rank has staged its objects: a checkpoint that rank 1's memory tier cannot
     hold beside the newest one (which stays while it is in memory only) is persisted by
     every rank, and none fails."""
-    results = _run_ranks("streamed_async", store, 2, "yes")
+    results = _run_ranks("streamed_async", store, 2, "yes", "embedded")
     for r in results:
         assert r["raised"] is None, r
         assert r["latest"] == "c3" and r["latest_loads"], r
-    stored = {path.split(os.sep)[-3] for path in glob.glob(os.path.join(store, "*", "*",
-                                                                        "COMMITTED"))}
     # c0 is persisted as the first checkpoint is; c1 fits beside c0 (being persisted, its
     # memory comes back); c2 does not fit beside c1, which is in memory only.
+    stored = _stored_tags(store)
     assert {"c0", "c2"} <= stored and "c1" not in stored, stored
+
+
+def test_with_the_agent_checkpoints_that_will_not_fit_are_persisted_by_every_rank(tmp_path):
+    """The same through one node agent that both ranks share: the agent foresees for the
+    ranks of the run it serves (they stage alike, into its memory), and none fails."""
+    store = str(tmp_path / "ckpt")
+    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
+    env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime,
+                     NEBULITE_AGENT_IDLE_EXIT="1")
+    try:
+        results = _run_ranks("streamed_async", store, 2, "yes", "agent", env=env)
+    finally:
+        remove_runtime_dir(runtime)
+    for r in results:
+        assert r["raised"] is None, r
+        assert r["latest"] == "c3" and r["latest_loads"], r
+    assert {"c0", "c1"} <= _stored_tags(store)  # c1 would not fit beside c0 for both ranks
+
+
+def _stored_tags(store: str) -> set[str]:
+    """The tags with a version committed in `store`."""
+    return {path.split(os.sep)[-3]
+            for path in glob.glob(os.path.join(store, "*", "*", "COMMITTED"))}
 
 
 def test_an_object_streamed_after_save_fails_its_checkpoint_on_that_rank_only(store):
@@ -366,7 +388,7 @@ def test_an_object_streamed_after_save_fails_its_checkpoint_on_that_rank_only(st
     it fails that checkpoint on rank 1, reported by its next call, never inside a step, and
     the ranks still agree on a latest checkpoint both hold, without trying to persist (and
     waiting in the store for) one that rank 1 lacks."""
-    results = _run_ranks("streamed_async", store, 2, "no")
+    results = _run_ranks("streamed_async", store, 2, "no", "embedded")
     for r in results:
         assert not any("could not be persisted" in m for m in r["persisting"]), r
     assert results[0]["raised"] is None, results

@@ -271,8 +271,7 @@ void RegisterEngine(nb::module_& m) {
              }
              ThrowIfError(st);
            })
-      .def("must_persist", &Engine::MustPersist, nb::arg("tag"), nb::arg("version"),
-           nb::arg("unstaged_bytes") = 0)
+      .def("must_persist", &Engine::MustPersist)
       .def("wait_staged",
            [](Engine& e) {
              nb::gil_scoped_release release;
@@ -373,6 +372,11 @@ void RegisterEngine(nb::module_& m) {
                    [](const Engine& e) { return reinterpret_cast<uintptr_t>(e.arena().base()); })
       .def_prop_ro("memory_used", &Engine::memory_used)
       .def_prop_ro("memory_resident", &Engine::memory_resident)
+      .def_prop_ro("memory_reclaimable",
+                   [](const Engine& e) {
+                     nb::gil_scoped_release release;  // it takes the engine's lock
+                     return e.memory_reclaimable();
+                   })
       .def("wait_prefaulted",
            [](Engine& e) {
              nb::gil_scoped_release release;

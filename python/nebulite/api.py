@@ -25,7 +25,7 @@ from typing import Any, Iterable
 
 import torch
 
-from . import _core, _device, _dist, _pinned, _stager, _staging, _waiting
+from . import _core, _device, _dist, _pinned, _room, _stager, _staging, _waiting
 from ._committed import CommittedVersions
 from ._save_dir import Placeholders
 from ._config import Config, is_store_url, parse_path, parse_seconds, read_threads, store_exists
@@ -560,6 +560,18 @@ class _Session:
         return sum(job.nbytes for _, _, _, job in self.pending
                    if isinstance(job, _stager.Job) and not job.done)
 
+    def must_persist(self, tag: str, version: str) -> bool:
+        """True if (tag, version) must be persisted: an object of it was streamed, or what
+        the staging thread still stages will not fit in memory (see nebulite._room; the
+        node agent foresees it for every rank of the run it serves)."""
+        unstaged = self.unstaged_bytes()
+        if not unstaged:
+            return self.engine.must_persist(tag, version)
+        if isinstance(self.engine, _core.Engine):
+            return (self.engine.must_persist(tag, version)
+                    or _room.will_not_fit(unstaged, [self.engine]))
+        return self.engine.must_persist(tag, version, unstaged)
+
     def barrier_decides_persist(self, v: _OpenVersion) -> bool:
         """True if the barrier learns whether `v` must be persisted, so that its commit
         need not ask the engine (an agent's answer is a request): each object saved in `v`
@@ -931,7 +943,7 @@ class Checkpoint:
         # staged so far; of those the staging thread stages, the barrier learns it itself,
         # but coordinated ranks agree now: the engine foresees whether they will fit.
         must_here = int(v is not None and not s.barrier_decides_persist(v)
-                        and s.engine.must_persist(self.tag, v.version, s.unstaged_bytes()))
+                        and s.must_persist(self.tag, v.version))
         if s.rank == 0 and isinstance(s.engine, _core.Engine):
             # The commit order continues after this session's commits and the store's as
             # far as they are known without a request (read at init; then each commit in

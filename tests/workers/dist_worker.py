@@ -288,13 +288,15 @@ def run_rank_error(store: str, rank: int, world: int, port: int) -> dict:
     os._exit(0)  # t1 and t2 are not to be persisted: do not wait for them at exit
 
 
-def run_streamed_async(store: str, rank: int, world: int, port: int, foresee: str) -> dict:
+def run_streamed_async(store: str, rank: int, world: int, port: int, foresee: str,
+                       engine: str) -> dict:
     """Asynchronous staging with coordinated ranks and a memory tier that rank 1's state
     outgrows. With `foresee` "yes", the ranks persist each checkpoint that rank 1's engine
     foresees will not fit; with "no", the engine is not asked (as when memory another
     engine of the node took after the commit proves its answer wrong): an object rank 1's
     staging thread streams to the store fails that checkpoint on rank 1 (the ranks had
-    committed it to memory only). No step raises."""
+    committed it to memory only). No step raises. `engine`: "embedded" or "agent" (both
+    ranks share one node agent's memory)."""
     import torch.distributed as dist
 
     if foresee == "no":
@@ -310,7 +312,8 @@ def run_streamed_async(store: str, rank: int, world: int, port: int, foresee: st
         opt.zero_grad()
 
     nm.init(persistent_storage_path=store, async_staging=True, persistent_time_interval=3600,
-            memory_buffer_size=12 << 20, num_of_version_in_retention=5, agent=False,
+            memory_buffer_size=12 << 20, num_of_version_in_retention=5,
+            agent=engine == "agent",
             commit_timeout=5)  # bounds the wait for a version rank 1 lacks, were it tried
     step()
     saved = {}
@@ -459,7 +462,7 @@ def main() -> None:
     elif mode == "rank_error":
         out = run_rank_error(store, rank, world, port)
     elif mode == "streamed_async":
-        out = run_streamed_async(store, rank, world, port, sys.argv[6])
+        out = run_streamed_async(store, rank, world, port, sys.argv[6], sys.argv[7])
     elif mode == "shard_save":
         out = run_shard_save(store, rank, world, port, int(sys.argv[6]))
     elif mode == "shard_resume":

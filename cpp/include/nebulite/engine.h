@@ -175,13 +175,8 @@ class Engine {
   // Waits until every deferred copy has landed in the arena; the sources of deferred
   // records may change after it returns.
   virtual void WaitStaged() = 0;
-  // True if the version must be persisted: some object of it had to be streamed, or
-  // `unstaged_bytes` (the images of its objects still to be staged, and of those queued
-  // before them) exceed the memory that reservations can take now: the arena's free bytes
-  // and what this engine's versions hold that may leave it (not the newest version while
-  // it is held in memory only). Such objects would be streamed once staged.
-  virtual bool MustPersist(const std::string& tag, const std::string& version,
-                           uint64_t unstaged_bytes) = 0;
+  // True if some object of the version had to be streamed (it must be persisted).
+  virtual bool MustPersist(const std::string& tag, const std::string& version) = 0;
   // Completes the version on this rank. `persist` queues it for the store.
   virtual Status Commit(const std::string& tag, const std::string& version, uint64_t seq,
                         bool persist) = 0;
@@ -226,6 +221,12 @@ class Engine {
   virtual uint64_t memory_capacity() const = 0;
   virtual uint64_t memory_used() const = 0;
   virtual uint64_t memory_resident() const = 0;  // the arena's high-water mark
+  // Bytes of the arena that this engine's versions hold and that its reservations can have
+  // back without a newer commit: every committed version's but the newest's while it is
+  // held in memory only (one being persisted comes back once written, one being read once
+  // its reader is done). With the arena's free bytes, what objects still to be staged can
+  // take without streaming.
+  virtual uint64_t memory_reclaimable() const = 0;
   virtual void WaitPrefaulted() = 0;
   // Finishes queued work and stops the background threads, returning within
   // `timeout_seconds` in any case: work still pending then is dropped (a version not

@@ -365,15 +365,10 @@ class EngineImpl : public Engine {
 
   // -- committing and persisting --------------------------------------------------------
 
-  bool MustPersist(const std::string& tag, const std::string& version,
-                   uint64_t unstaged_bytes) override {
+  bool MustPersist(const std::string& tag, const std::string& version) override {
     std::lock_guard<std::mutex> lock(core_->mu);
     auto v = core_->versions.Find(tag, version);
-    if (v && v->must_persist) return true;
-    if (unstaged_bytes == 0) return false;
-    const Arena& arena = *core_->arena;
-    const uint64_t free = arena.capacity() - std::min(arena.used(), arena.capacity());
-    return unstaged_bytes > free + core_->versions.Reclaimable();
+    return v && v->must_persist;
   }
 
   // Completes the version on this rank. A version kept in memory only has its history rows
@@ -652,6 +647,10 @@ class EngineImpl : public Engine {
   uint64_t memory_capacity() const override { return core_->arena->capacity(); }
   uint64_t memory_used() const override { return core_->arena->used(); }
   uint64_t memory_resident() const override { return core_->arena->resident(); }
+  uint64_t memory_reclaimable() const override {
+    std::lock_guard<std::mutex> lock(core_->mu);
+    return core_->versions.Reclaimable();
+  }
   void WaitPrefaulted() override { core_->arena->WaitPrefaulted(); }
 
   Status Close(double timeout_seconds) override {

@@ -93,29 +93,25 @@ TEST(EngineTest, RejectsBadNamesAndDuplicates) {
   EXPECT_EQ((*e)->Stage("t", "v", "n", obj.records).status().code(), StatusCode::kAlreadyExists);
 }
 
-TEST(EngineTest, MustPersistForeseesImagesTheMemoryCannotHold) {
+TEST(EngineTest, ReclaimableMemoryIsAllButTheNewestVersionHeldInMemoryOnly) {
   TempDir dir;
   auto e = Engine::Open(Options(dir.path(), 8 << 20));
   ASSERT_TRUE(e.ok());
   Engine& engine = **e;
   auto big = MakeObject({5 << 20}, 1);
   ASSERT_TRUE(engine.Stage("t", "v1", "model", big.records).ok());
-  EXPECT_FALSE(engine.MustPersist("t", "v1", 0));
+  EXPECT_EQ(engine.memory_reclaimable(), 0u);  // not committed
   ASSERT_TRUE(engine.Commit("t", "v1", 1, false).ok());
-  // The newest version, held in memory only, stays: 3 MiB are left to the next one.
-  EXPECT_TRUE(engine.MustPersist("t", "v2", 4 << 20));
-  EXPECT_FALSE(engine.MustPersist("t", "v2", 2 << 20));
+  EXPECT_EQ(engine.memory_reclaimable(), 0u);  // the newest, in memory only: it stays
+  const uint64_t v1 = engine.memory_used();
   auto small = MakeObject({1 << 20}, 2);
   ASSERT_TRUE(engine.Stage("t", "v2", "model", small.records).ok());
   ASSERT_TRUE(engine.Commit("t", "v2", 2, false).ok());
-  // An older version held in memory only may go: its memory counts.
-  EXPECT_FALSE(engine.MustPersist("t", "v3", 6 << 20));
-  EXPECT_TRUE(engine.MustPersist("t", "v3", 8 << 20));
-  // Once the newest is persisted (durable), its memory counts too.
+  EXPECT_EQ(engine.memory_reclaimable(), v1);  // an older one held in memory only may go
   ASSERT_TRUE(engine.Persist("t", "v2").ok());
   ASSERT_TRUE(engine.Flush(60).ok());
-  EXPECT_FALSE(engine.MustPersist("t", "v3", 8 << 20));
-  EXPECT_TRUE(engine.MustPersist("t", "v3", (8 << 20) + 1));
+  EXPECT_EQ(engine.memory_reclaimable(), engine.memory_used());  // the newest is durable
+  EXPECT_GT(engine.memory_used(), v1);
 }
 
 TEST(EngineTest, StateLargerThanTheBudgetStreamsThroughIt) {
@@ -127,7 +123,7 @@ TEST(EngineTest, StateLargerThanTheBudgetStreamsThroughIt) {
   auto info = engine.Stage("big", "v1", "model", obj.records);
   ASSERT_TRUE(info.ok()) << info.status().ToString();
   EXPECT_TRUE(info->streamed);
-  EXPECT_TRUE(engine.MustPersist("big", "v1", 0));
+  EXPECT_TRUE(engine.MustPersist("big", "v1"));
   EXPECT_EQ(engine.Commit("big", "v1", 1, false).code(), StatusCode::kFailedPrecondition);
   ASSERT_TRUE(engine.Commit("big", "v1", 1, true).ok());
   ASSERT_TRUE(engine.Flush(60).ok());

@@ -93,10 +93,7 @@ class VersionTable {
   void Collect();
   // Keeps at most `retention` committed versions in memory (0: no limit), then Collect().
   void ApplyRetention();
-  // Bytes of the arena that this engine's versions hold and that reservations can have
-  // back without a newer commit: every committed version's, but the newest's while it is
-  // held in memory only (a version being persisted comes back once it is written, one
-  // being read once its reader is done).
+  // See Engine::memory_reclaimable().
   uint64_t Reclaimable() const;
 
  private:

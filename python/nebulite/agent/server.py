@@ -27,7 +27,7 @@ import threading
 import time
 from typing import Any
 
-from .. import _core, errors
+from .. import _core, _room, errors
 from .._committed import CommittedVersions
 from .._config import parse_path
 from . import error_counts, protocol
@@ -569,16 +569,17 @@ class Agent:
                 c.staged.discard((_str(r, "tag"), _str(r, "version")))
                 return {"ok": True}, []
             if op == "must_persist":
-                # What a trainer has still to stage, the node's other ranks of its run stage
-                # too, into the same memory, at the same time (their shares are alike).
                 unstaged = _count(r.get("unstaged_bytes", 0), "unstaged_bytes")
-                if unstaged:
+                must = e.must_persist(_str(r, "tag"), _str(r, "version"))
+                if not must and unstaged:
+                    # The run's other ranks this agent serves stage alike, into the same
+                    # memory, at the same time, each evicting its own versions.
+                    world = c.key[1] if c.key is not None else 0
                     with self.lock:
-                        ranks = sum(1 for (_, world), n in self.users.items()
-                                    if n and c.key is not None and world == c.key[1])
-                    unstaged = min(unstaged * max(1, ranks), (1 << 63) - 1)
-                return {"ok": True, "value": e.must_persist(_str(r, "tag"), _str(r, "version"),
-                                                            unstaged)}, []
+                        engines = [x for key, x in self.engines.items()
+                                   if key[1] == world and self.users.get(key)]
+                    must = _room.will_not_fit(unstaged * max(1, len(engines)), engines or [e])
+                return {"ok": True, "value": must}, []
             if op == "versions":
                 return {"ok": True, "versions": list(e.versions())}, []
             if op == "pin":
