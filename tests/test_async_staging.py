@@ -45,6 +45,36 @@ def _clone(state: dict) -> dict:
     return {k: v.clone() if torch.is_tensor(v) else v for k, v in state.items()}
 
 
+def test_what_a_save_foresees_it_will_stage_is_not_less_than_what_it_takes(store):
+    """Coordinated ranks decide at the commit whether a checkpoint stays in memory from
+    what each object an asynchronous save left to the staging thread is expected to take
+    (nebulite._room): never less than its data file really takes."""
+    nm.init(persistent_storage_path=store, async_staging=True, persistent_time_interval=3600,
+            num_of_version_in_retention=8)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[torch.nn.TransformerEncoderLayer(64, 4, 128)
+                                  for _ in range(3)])
+    opt = torch.optim.AdamW(model.parameters())
+    model(torch.randn(2, 5, 64)).sum().backward()
+    opt.step()
+    table = torch.arange(4096.0)
+    objects = [model.state_dict(), opt.state_dict(),
+               {"step": 1, "names": [f"layer{k}" for k in range(20000)], "big": 1 << 4000,
+                "text": "état 名前 🙂" * 2000, "blob": bytes(30000), "t": torch.ones(3)},
+               {"rows": [table[i:i + 2] for i in range(0, 4096, 4)]}]  # 1024 views of one
+    foreseen = {}
+    for i, obj in enumerate(objects):
+        scanned = _staging.scan(obj)
+        assert scanned is not None
+        foreseen[f"t{i}"] = scanned.image_bytes
+        nm.Checkpoint(f"t{i}").save("x", obj)
+    nm.flush_persistence()
+    sizes = {row["tag"]: row["bytes"] for row in nm.history()}
+    assert sizes.keys() == foreseen.keys(), sizes
+    for tag, size in sizes.items():  # the memory it takes: its size in 4 KiB blocks
+        assert 0 < -(-size // 4096) * 4096 <= foreseen[tag], (tag, size, foreseen[tag])
+
+
 def test_only_optimizer_managed_storages_are_deferred(store):
     nm.init(persistent_storage_path=store, async_staging=True)
     model, opt = _model()

@@ -34,6 +34,7 @@ struct Names {
   PyObject* values = PyUnicode_InternFromString("values");
   PyObject* numel = PyUnicode_InternFromString("numel");
   PyObject* get_device = PyUnicode_InternFromString("get_device");
+  PyObject* bit_length = PyUnicode_InternFromString("bit_length");
 };
 
 inline const Names& N() {

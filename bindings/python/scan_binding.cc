@@ -82,7 +82,7 @@ class Scanner {
         safe_flags_.data(), static_cast<Py_ssize_t>(safe_flags_.size()))));
     return nb::make_tuple(frozen, tensors_out_, versions_, which, storages_out_, safe, snapshot,
                           reinterpret_cast<uintptr_t>(base), at, storage_bytes_, layouts_,
-                          cuda_devices_);
+                          cuda_devices_, skeleton_bytes_);
   }
 
  private:
@@ -159,15 +159,35 @@ class Scanner {
   }
 
   // `x` with every container copied; tensors and immutable values are the same objects.
+  // Counts, from above, what `x` adds to the pickled skeleton (kAtomBytes per value and
+  // container, kTensorBytes per tensor, and the UTF-8 bytes of strings and bytes objects).
   nb::object Copy(PyObject* x, int depth) {
     PyTypeObject* t = Py_TYPE(x);
     PyObject* type = reinterpret_cast<PyObject*>(t);
+    skeleton_bytes_ += kAtomBytes;
     if (type == tensor_ || type == parameter_) {
-      if (tensors_.TryEmplace(x, true).second) Tensor(x);
+      if (tensors_.TryEmplace(x, true).second) {
+        skeleton_bytes_ += kTensorBytes;
+        Tensor(x);
+      }
       return nb::borrow(x);
     }
-    if (t == &PyUnicode_Type || t == &PyLong_Type || t == &PyBool_Type || x == Py_None ||
-        t == &PyBytes_Type || t == &PyFloat_Type || t == &PyComplex_Type)
+    if (t == &PyUnicode_Type) {  // at most 4 bytes of UTF-8 per code point, 2 for Latin-1
+      skeleton_bytes_ += static_cast<uint64_t>(PyUnicode_GET_LENGTH(x)) *
+                         (PyUnicode_KIND(x) == PyUnicode_1BYTE_KIND ? 2 : 4);
+      return nb::borrow(x);
+    }
+    if (t == &PyBytes_Type) {
+      skeleton_bytes_ += static_cast<uint64_t>(PyBytes_GET_SIZE(x));
+      return nb::borrow(x);
+    }
+    if (t == &PyLong_Type) {  // a large int pickles as its bytes
+      int overflow = 0;
+      PyLong_AsLongLongAndOverflow(x, &overflow);
+      if (overflow != 0) skeleton_bytes_ += (Unsigned(Call(x, N().bit_length)) + 7) / 8;
+      return nb::borrow(x);
+    }
+    if (t == &PyBool_Type || x == Py_None || t == &PyFloat_Type || t == &PyComplex_Type)
       return nb::borrow(x);
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(atoms_); ++i)
       if (type == PyTuple_GET_ITEM(atoms_, i)) return nb::borrow(x);
@@ -248,8 +268,13 @@ class Scanner {
   const SafeStorages& safe_;
   const int max_depth_;
   const uint64_t max_copy_bytes_;
+  // What a value or container adds to the skeleton at most, and a tensor besides (its
+  // rebuild call: storage key, dtype, shape, strides, offset, requires_grad).
+  static constexpr uint64_t kAtomBytes = 24;
+  static constexpr uint64_t kTensorBytes = 1024;
   uint64_t copy_bytes_ = 0;
-  uint64_t storage_bytes_ = 0;  // of every storage met
+  uint64_t storage_bytes_ = 0;   // of every storage met
+  uint64_t skeleton_bytes_ = 0;  // the pickled skeleton's size, from above
   uint64_t cuda_devices_ = 0;   // bit i: a safe storage on CUDA device i was met
   // Flat, so that the caller's thread makes few objects per tensor; nebulite._staging
   // builds the maps it needs from them on the staging thread.
@@ -287,7 +312,8 @@ void RegisterScan(nb::module_& m) {
       "bytes, [each storage], per storage b'\\x01' if safe else b'\\x00', bytearray with the "
       "copied storages' bytes, its address, [(storage index, offset in it, nbytes)], bytes "
       "of all the storages, [(tensor, shape, stride, offset)] of the tensors on the copied "
-      "storages, a mask of the CUDA devices of the safe storages met: bit i for device i): "
+      "storages, a mask of the CUDA devices of the safe storages met: bit i for device i, "
+      "the size of the pickled skeleton from above): "
       "see nebulite._staging.scan.");
 }
 

@@ -135,7 +135,7 @@ class Scanned:
                  snapshot: bytearray, address: int, copied: list[tuple[int, int, int]],
                  storage_bytes: int,
                  layouts: list[tuple[torch.Tensor, Any, tuple[int, ...], int]],
-                 cuda_devices: int = 0) -> None:
+                 cuda_devices: int = 0, skeleton_bytes: int = 0) -> None:
         self.obj = obj  # the saved object with its containers copied
         self._tensors = tensors  # each tensor met, with its _version at save()
         self._versions = versions
@@ -147,6 +147,7 @@ class Scanned:
         self.address = address
         self.storage_bytes = storage_bytes  # of every storage met
         self.layouts = layouts  # of the tensors on copied storages, at save()
+        self.skeleton_bytes = skeleton_bytes  # the pickled skeleton's size, from above
         # The CUDA devices of the safe storages met (their copies are issued later).
         self.devices = [torch.device("cuda", i) for i in range(cuda_devices.bit_length())
                         if cuda_devices >> i & 1] if cuda_devices else []
@@ -156,8 +157,10 @@ class Scanned:
     @property
     def image_bytes(self) -> int:
         """At most how large the object's data file will be (docs/format.md): its storages,
-        each payload aligned to 4096 bytes behind a header of its own, and the skeleton."""
-        return self.storage_bytes + len(self._storage_list) * (4096 + 512) + (64 << 10)
+        each payload aligned to 4096 bytes behind headers of its own, its skeleton, and the
+        few small records and the directory of every data file."""
+        return (self.storage_bytes + len(self._storage_list) * (4096 + 512)
+                + self.skeleton_bytes + (64 << 10))
 
     @functools.cached_property
     def views(self) -> dict[int, list[tuple[torch.Tensor, int]]]:
