@@ -4,7 +4,6 @@ the runtime directory or on the store's lock files."""
 
 from __future__ import annotations
 
-import argparse
 import os
 import shutil
 import signal
@@ -13,6 +12,7 @@ import stat
 import tempfile
 import threading
 import time
+import types
 import warnings
 from pathlib import Path
 from typing import Callable
@@ -327,7 +327,7 @@ def test_an_agent_stopped_between_checkpoints_fails_the_next_one_not_the_step(ag
 def test_an_agent_stopped_while_it_seals_deferred_copies_fails_the_checkpoint_not_the_step(
         agent_env, store, monkeypatch, fallback):
     """An object that save() stages on the caller's thread (one the scan does not take: here
-    it holds an argparse.Namespace) leaves the copies of its optimizer-held storages, and its
+    it holds a types.SimpleNamespace, a class defined in C) leaves the copies of its optimizer-held storages, and its
     seal, to the client's copy thread. The agent stops while that thread seals: the step's
     barrier raises nothing; that checkpoint fails, and the next call says so (AgentLostError,
     or, with agent_fallback, PersistError naming the checkpoint once the embedded engine took
@@ -337,7 +337,7 @@ def test_an_agent_stopped_while_it_seals_deferred_copies_fails_the_checkpoint_no
     model, step = _model_and_step()
 
     def state() -> dict:
-        return {"model": model.state_dict(), "args": argparse.Namespace(lr=0.1)}
+        return {"model": model.state_dict(), "args": types.SimpleNamespace(lr=0.1)}
 
     step()
     step()
@@ -383,7 +383,7 @@ def test_an_agent_stopped_while_it_seals_deferred_copies_fails_the_checkpoint_no
     step()
     latest = nebulite.get_latest_checkpoint()
     assert latest.tag == "after"
-    loaded = latest.load("state", weights_only=False)  # it holds a Namespace
+    loaded = latest.load("state", weights_only=False)  # it holds a SimpleNamespace
     assert loaded["args"].lr == 0.1
     for k, v in expected.items():
         assert torch.equal(loaded["model"][k], v), k

@@ -3,6 +3,8 @@ checkpoint holds exactly the state at save() time."""
 
 from __future__ import annotations
 
+import dataclasses
+import enum
 import os
 import sys
 import threading
@@ -514,10 +516,108 @@ def test_buffers_are_copied_at_save_and_their_layout_checked_later(store):
 
 
 class Custom:
-    """An object of its own class: pickled by its own reduction, never scanned."""
+    """An object whose class pickles it its own way: never scanned."""
 
     def __init__(self, t: torch.Tensor) -> None:
         self.t = t
+
+    def __reduce__(self) -> tuple:
+        return Custom, (self.t,)
+
+
+class Scaler:
+    """An object that pickles as object's default does (as DeepSpeed's LossScaler)."""
+
+    def __init__(self, scale: object) -> None:
+        self.cur_scale = scale
+        self.history = [scale]
+        self.owner = self  # a cycle
+
+
+@dataclasses.dataclass
+class Address:
+    """A dataclass (as DeepSpeed's fragment_address)."""
+
+    numel: int
+    start: int
+
+
+class Stage(enum.IntEnum):
+    ONE = 1
+
+
+class Slotted:
+    __slots__ = ("x",)
+
+    def __init__(self, x: int) -> None:
+        self.x = x
+
+
+class Single:
+    """One instance only: a copy made as unpickling makes it would be the instance."""
+
+    _it: "Single | None" = None
+
+    def __new__(cls) -> "Single":
+        if cls._it is None:
+            cls._it = super().__new__(cls)
+        return cls._it
+
+
+class OwnState:
+    def __init__(self) -> None:
+        self.x = 1
+
+    def __getstate__(self) -> dict:
+        return {"x": self.x}
+
+
+def test_objects_sets_and_enum_members_are_scanned_as_they_were_at_save(store, monkeypatch):
+    """Instances of classes that pickle as object's default does are copied at save() with
+    their attributes, sets too: the checkpoint holds them as they were, whatever changes
+    them before the next optimizer step; their tensors are recorded like any other."""
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _stepped_model()
+    scaler = Scaler(2.0)
+    obj = {"scaler": scaler, "map": {"w": Address(3, 0)}, "stage": Stage.ONE,
+           "names": {"a", "b"}, "frozen": frozenset({1, (2, "x")}), "optimizer": opt.state_dict(),
+           "holder": Scaler(torch.ones(2))}
+    scanned = _staging.scan(obj)
+    assert scanned is not None
+    copy = scanned.obj
+    assert copy["scaler"] is not scaler and copy["scaler"].owner is copy["scaler"]
+    assert copy["scaler"].history is not scaler.history
+    assert copy["names"] == obj["names"] and copy["names"] is not obj["names"]
+    assert copy["frozen"] is obj["frozen"] and copy["stage"] is Stage.ONE
+    for refused in (Slotted(1), OwnState(), Custom(torch.ones(1)), Address, Single()):
+        assert _staging.scan({"x": refused}) is None, refused
+    walked = _walked_on(monkeypatch)
+    exp_avg = obj["optimizer"]["state"][0]["exp_avg"].clone()
+    nm.Checkpoint("objects").save("state", obj)
+    assert threading.get_ident() not in walked  # left to the staging thread
+    scaler.cur_scale = 4.0
+    scaler.history.append(4.0)
+    obj["map"]["w"].start = 7
+    obj["names"].add("c")
+    obj["holder"].cur_scale.add_(1)  # not an optimizer's: its bytes were copied at save()
+    _step(model, opt)  # the barrier: staged and committed
+    got = nm.get_checkpoint(tag="objects").load("state", weights_only=False)
+    assert got["scaler"].cur_scale == 2.0 and got["scaler"].history == [2.0]
+    assert got["scaler"].owner is got["scaler"] and type(got["scaler"]) is Scaler
+    assert got["map"]["w"] == Address(3, 0) and got["stage"] is Stage.ONE
+    assert got["names"] == {"a", "b"} and got["frozen"] == frozenset({1, (2, "x")})
+    assert torch.equal(got["holder"].cur_scale, torch.ones(2))
+    assert torch.equal(got["optimizer"]["state"][0]["exp_avg"], exp_avg)  # before the step
+
+
+def test_a_torn_tensor_inside_an_object_is_named_by_its_attribute(store):
+    nm.init(persistent_storage_path=store, async_staging=True)
+    model, opt = _stepped_model()
+    nm.Checkpoint("held").save("state", {"scaler": Scaler(model[0].weight)})
+    with torch.no_grad():
+        model[0].weight.add_(1)  # a deferred storage, changed before the barrier
+    with pytest.raises(nm.errors.TornCheckpointError, match=r"'scaler\.cur_scale' was changed"):
+        nm.wait_staged()
 
 
 def test_objects_the_scan_does_not_take_are_staged_on_the_callers_thread(store, monkeypatch):

@@ -325,6 +325,14 @@ def test_with_async_staging_checkpoints_hold_the_state_at_save_time(runs):
             got = r["save"][f"z{stage}"]
             assert got["async_staging"] is True, (r["rank"], stage)
             assert got["safe_storages"] > 0, (r["rank"], stage)  # the optimizer's, deferred
+            # Recorded on the caller's thread, the rest staged after save() returned: each
+            # object, LossScaler, fragment_address, ZeroStageEnum and the client's
+            # Namespace and HTTPStatus included. ZeRO-3's optimizer state holds a tensor with
+            # an attribute of its own (ds_id): it is staged on the caller's thread.
+            if stage < 3:
+                assert all(got["scanned"]), (r["rank"], stage, got["scanned"])
+            else:
+                assert got["scanned"].count(True) >= 3, (r["rank"], stage, got["scanned"])
     for stage in STAGES:
         held = runs["async_stores_after_save"][stage]
         assert sorted(held) == ["global_step4", "global_step6"], (stage, held)

@@ -35,6 +35,7 @@ struct Names {
   PyObject* numel = PyUnicode_InternFromString("numel");
   PyObject* get_device = PyUnicode_InternFromString("get_device");
   PyObject* bit_length = PyUnicode_InternFromString("bit_length");
+  PyObject* new_ = PyUnicode_InternFromString("__new__");
 };
 
 inline const Names& N() {

@@ -1,6 +1,7 @@
 // nebulite._core.scan: what an asynchronous save does on the caller's thread (see
 // nebulite._staging). It records what to copy and nothing more: the containers are copied
-// (so that the object pickled later is the one saved), and for each tensor its storage and
+// (so that the object pickled later is the one saved; so are instances of classes that
+// pickle as object's default does, attributes and all), and for each tensor its storage and
 // `_version`. Storages an optimizer manages (on the CPU or a CUDA device) are left to be
 // copied later; the others, which forward may change before the next optimizer step, are
 // copied here into one buffer (CPU storages only). The walk, the pickling and the staging
@@ -45,11 +46,14 @@ void Ok(int rc) {
 class Scanner {
  public:
   Scanner(nb::handle tensor, nb::handle parameter, nb::handle ordered_dict, nb::handle atoms,
-          const SafeStorages& safe, int max_depth, uint64_t max_copy_bytes)
+          nb::handle enum_type, nb::handle plain, const SafeStorages& safe, int max_depth,
+          uint64_t max_copy_bytes)
       : tensor_(tensor.ptr()),
         parameter_(parameter.ptr()),
         ordered_dict_(ordered_dict.ptr()),
         atoms_(atoms.ptr()),
+        enum_(reinterpret_cast<PyTypeObject*>(enum_type.ptr())),
+        plain_(plain.ptr()),
         safe_(safe),
         max_depth_(max_depth),
         max_copy_bytes_(max_copy_bytes) {}
@@ -191,10 +195,20 @@ class Scanner {
       return nb::borrow(x);
     for (Py_ssize_t i = 0; i < PyTuple_GET_SIZE(atoms_); ++i)
       if (type == PyTuple_GET_ITEM(atoms_, i)) return nb::borrow(x);
+    // An enum member pickles as its class and value (DeepSpeed's ZeroStageEnum, say).
+    if (PyType_IsSubtype(t, enum_)) {
+      skeleton_bytes_ += kObjectBytes;
+      return nb::borrow(x);
+    }
     const bool is_dict = t == &PyDict_Type, is_odict = type == ordered_dict_;
     const bool is_list = t == &PyList_Type, is_tuple = t == &PyTuple_Type;
-    if (!(is_dict || is_odict || is_list || is_tuple) || depth >= max_depth_) throw NotScannable{};
+    const bool is_set = t == &PySet_Type || t == &PyFrozenSet_Type;
+    const bool is_dict_like = is_dict || is_odict;
+    if (depth >= max_depth_) throw NotScannable{};
+    if (!(is_dict_like || is_list || is_tuple || is_set) && !Plain(t)) throw NotScannable{};
     if (PyObject* const* known = copies_of_.Find(x)) return nb::borrow(*known);
+    if (is_set) return CopySet(x, depth);
+    if (!(is_dict_like || is_list || is_tuple)) return CopyObject(x, depth);
     if (is_tuple) {
       // Immutable: shared as it is unless an item is a container that needs its copy.
       const Py_ssize_t size = PyTuple_GET_SIZE(x);
@@ -255,6 +269,48 @@ class Scanner {
     return out;
   }
 
+  // A set is copied, a frozenset kept; their items are hashable, so never containers that
+  // are copied (tensors among them are scanned).
+  nb::object CopySet(PyObject* x, int depth) {
+    nb::object items = nb::steal(Check(PyObject_GetIter(x)));
+    while (PyObject* next = PyIter_Next(items.ptr())) {
+      nb::object item = nb::steal(next);
+      if (Copy(item.ptr(), depth + 1).ptr() != item.ptr()) throw NotScannable{};
+    }
+    if (PyErr_Occurred()) Check(nullptr);
+    nb::object out =
+        Py_TYPE(x) == &PySet_Type ? nb::steal(Check(PySet_New(x))) : nb::borrow(x);
+    Remember(x, out);
+    return out;
+  }
+
+  // An instance of a class that pickles as object's default does (see `plain_`): a new
+  // instance (`cls.__new__(cls)`) given a copy of the attributes, as unpickling builds it.
+  nb::object CopyObject(PyObject* x, int depth) {
+    PyObject* type = reinterpret_cast<PyObject*>(Py_TYPE(x));
+    nb::object attrs = nb::steal(Check(PyObject_GenericGetDict(x, nullptr)));
+    if (!PyDict_CheckExact(attrs.ptr())) throw NotScannable{};
+    nb::object out = nb::steal(Check(PyObject_CallMethodOneArg(type, N().new_, type)));
+    if (out.ptr() == x || Py_TYPE(out.ptr()) != Py_TYPE(x)) throw NotScannable{};  // a singleton
+    Remember(x, out);
+    skeleton_bytes_ += kObjectBytes;
+    nb::object copied = Copy(attrs.ptr(), depth + 1);
+    nb::object into = nb::steal(Check(PyObject_GenericGetDict(out.ptr(), nullptr)));
+    Ok(PyDict_Update(into.ptr(), copied.ptr()));
+    return out;
+  }
+
+  // True if instances of `t` pickle as object's default does (asked of `plain_` once per
+  // type and scan).
+  bool Plain(PyTypeObject* t) {
+    PyObject* type = reinterpret_cast<PyObject*>(t);
+    if (const bool* known = plain_types_.Find(type)) return *known;
+    nb::object answer = nb::steal(Check(PyObject_CallOneArg(plain_, type)));
+    const bool plain = answer.ptr() == Py_True;
+    plain_types_.TryEmplace(type, plain);
+    return plain;
+  }
+
   void Remember(PyObject* x, const nb::object& copy) {
     copies_of_.TryEmplace(x, copy.ptr());
     alive_.push_back(nb::borrow(x));  // its address stays its own until the scan ends
@@ -265,6 +321,8 @@ class Scanner {
   PyObject* const parameter_;
   PyObject* const ordered_dict_;
   PyObject* const atoms_;
+  PyTypeObject* const enum_;
+  PyObject* const plain_;  // cls -> True if its instances pickle as object's default does
   const SafeStorages& safe_;
   const int max_depth_;
   const uint64_t max_copy_bytes_;
@@ -272,6 +330,7 @@ class Scanner {
   // rebuild call: storage key, dtype, shape, strides, offset, requires_grad).
   static constexpr uint64_t kAtomBytes = 24;
   static constexpr uint64_t kTensorBytes = 1024;
+  static constexpr uint64_t kObjectBytes = 512;  // a class's module and name, the calls
   uint64_t copy_bytes_ = 0;
   uint64_t storage_bytes_ = 0;   // of every storage met
   uint64_t skeleton_bytes_ = 0;  // the pickled skeleton's size, from above
@@ -288,6 +347,7 @@ class Scanner {
   std::vector<Copied> copies_;
   PointerMap<bool> tensors_;  // met already
   PointerMap<PyObject*> copies_of_;  // container -> its copy
+  PointerMap<bool> plain_types_;     // type -> Plain()
   std::vector<nb::object> alive_;
 };
 
@@ -297,15 +357,19 @@ void RegisterScan(nb::module_& m) {
   m.def(
       "scan",
       [](nb::handle obj, nb::handle tensor, nb::handle parameter, nb::handle ordered_dict,
-         nb::tuple atoms, nb::handle safe, int max_depth, uint64_t max_copy_bytes) {
-        return Scanner(tensor, parameter, ordered_dict, atoms, SafeStoragesOf(safe), max_depth,
-                       max_copy_bytes)
+         nb::tuple atoms, nb::type_object enum_type, nb::callable plain, nb::handle safe,
+         int max_depth, uint64_t max_copy_bytes) {
+        return Scanner(tensor, parameter, ordered_dict, atoms, enum_type, plain,
+                       SafeStoragesOf(safe), max_depth, max_copy_bytes)
             .Run(obj);
       },
       nb::arg("obj").none(), nb::arg("tensor"), nb::arg("parameter"), nb::arg("ordered_dict"),
-      nb::arg("atoms"), nb::arg("safe"), nb::arg("max_depth"), nb::arg("max_copy_bytes"),
-      "None if `obj` is not made of dicts, OrderedDicts, lists, tuples, immutable values "
-      "(`atoms` among them) and tensors on the CPU or on storages of a CUDA device that "
+      nb::arg("atoms"), nb::arg("enum_type"), nb::arg("plain"), nb::arg("safe"),
+      nb::arg("max_depth"), nb::arg("max_copy_bytes"),
+      "None if `obj` is not made of dicts, OrderedDicts, lists, tuples, sets, frozensets, "
+      "instances of classes for which plain(cls) is True, immutable values (`atoms` and "
+      "members of `enum_type` among them) and tensors on the CPU or on storages of a CUDA "
+      "device that "
       "`safe` (a SafeStorages) holds, or if the storages outside `safe` hold more than "
       "max_copy_bytes; else (copy of "
       "obj's containers, [each tensor], [its _version], its storage's index as uint32 "

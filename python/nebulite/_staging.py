@@ -15,14 +15,16 @@ device's current stream, and the device's current stream waits for them at the b
 the barrier commits the checkpoint once the copies landed.
 
 A save does little on the caller's thread (``scan``, in the extension): it copies the
-object's containers, records each tensor's storage and ``_version``, and copies the
+object's containers (and instances of classes that pickle as object's default does, such
+as DeepSpeed's loss scaler), records each tensor's storage and ``_version``, and copies the
 storages no optimizer manages into one buffer. Walking the object, pickling its skeleton
 and staging its records run on a staging thread (nebulite._stager), behind the same
 barrier: the next optimizer step waits for them as it waits for the copies. Safe storages
 on a CUDA device are copied from there by the staging thread too: save() records an event
 on the current stream of each of their devices (the bytes as they are once the work queued
 before save() is done), and their copies are issued on a copy stream that waits for it. An
-object that is not made of dicts, lists, tuples, immutable values and plain tensors, that
+object that is not made of dicts, lists, tuples, sets, such instances, immutable values
+(enum members among them) and plain tensors, that
 holds a tensor off the CPU whose storage is not a safe one (a CUDA buffer), or whose other
 storages hold more than MAX_COPIED_BYTES, is staged on the caller's thread (with CUDA
 storages, whose copies are then issued there, see nebulite._device).
@@ -45,7 +47,10 @@ torch gives ``.data`` a version counter of its own.
 
 from __future__ import annotations
 
+import abc
 import collections
+import copyreg
+import enum
 import functools
 from typing import Any, Callable, Iterator
 
@@ -200,29 +205,61 @@ class Scanned:
         return None
 
 
+#: What instances of a class may define that makes them pickle otherwise than object's
+#: default (a new instance given the attributes).
+_PICKLING_HOOKS = ("__reduce_ex__", "__reduce__", "__getstate__", "__getnewargs__",
+                   "__getnewargs_ex__", "__slots__")
+_HEAP_TYPE = 1 << 9  # Py_TPFLAGS_HEAPTYPE: a class defined in Python
+
+
+@functools.lru_cache(maxsize=1024)
+def _plain(cls: type) -> bool:
+    """True if instances of `cls` pickle as object's default does: their class, and their
+    ``__dict__`` as state; then a copy made at save() (a new instance given a copy of the
+    attributes, see nebulite._core.scan) pickles as the instance did. So are DeepSpeed's
+    ``LossScaler`` and ``fragment_address`` (a dataclass). Not a class defined in C or
+    deriving from one (a tensor, a named tuple), one with ``__slots__`` or a pickling hook
+    of its own, or one with a reducer in ``copyreg``."""
+    if type(cls) not in (type, abc.ABCMeta) or cls in copyreg.dispatch_table:
+        return False
+    for c in cls.__mro__[:-1]:
+        own = vars(c)
+        if not c.__flags__ & _HEAP_TYPE or any(hook in own for hook in _PICKLING_HOOKS):
+            return False
+    return True
+
+
 def scan(obj: Any) -> Scanned | None:
     """What an asynchronous save records of `obj` on the caller's thread (see the module's
     text), or None where it must be staged there whole."""
     if not any_safe():
         return None
-    found = _core.scan(obj, _TENSOR, _PARAMETER, collections.OrderedDict, _ATOMS, _safe_storages,
-                       _MAX_DEPTH, MAX_COPIED_BYTES)
+    found = _core.scan(obj, _TENSOR, _PARAMETER, collections.OrderedDict, _ATOMS, enum.Enum,
+                       _plain, _safe_storages, _MAX_DEPTH, MAX_COPIED_BYTES)
     return None if found is None else Scanned(*found)
 
 
 def _tensors(obj: Any, path: tuple[Any, ...] = (), depth: int = 0,
              seen: set[int] | None = None) -> Iterator[tuple[tuple[Any, ...], torch.Tensor]]:
-    """(key path, tensor) for every tensor reachable through dicts, lists and tuples."""
+    """(key path, tensor) for every tensor reachable through dicts, lists, tuples and the
+    attributes of objects the scan copies."""
     if isinstance(obj, torch.Tensor):
         yield path, obj
         return
-    if depth >= _MAX_DEPTH or not isinstance(obj, (dict, list, tuple)):
+    if depth >= _MAX_DEPTH:
+        return
+    if isinstance(obj, dict):
+        items: Any = obj.items()
+    elif isinstance(obj, (list, tuple)):
+        items = enumerate(obj)
+    elif _plain(type(obj)):
+        items = vars(obj).items()
+    else:
         return
     seen = set() if seen is None else seen
     if id(obj) in seen:
         return
     seen.add(id(obj))
-    items = obj.items() if isinstance(obj, dict) else enumerate(obj)
     for k, v in items:
         yield from _tensors(v, path + (k,), depth + 1, seen)
 

@@ -192,7 +192,19 @@ class Rank:
         import nebulite
 
         out: dict[str, Any] = {"torch_nebula_is_nebulite": torch_nebula.Checkpoint is nebulite.Checkpoint}
+        # With asynchronous staging: whether the scan took each object saved (else it is
+        # staged on the caller's thread), in order.
+        taken: list[bool] = []
+        scan = nebulite._staging.scan
+
+        def recording_scan(obj: Any) -> Any:
+            found = scan(obj)
+            taken.append(found is not None)
+            return found
+
+        nebulite._staging.scan = recording_scan  # type: ignore[assignment]
         for stage in STAGES:
+            taken.clear()
             base = os.path.join(self.workdir, f"z{stage}")
             os.makedirs(os.path.join(base, "expected"), exist_ok=True)
             eng = self.engine(self.config(stage, self.nebula_block(base)), MODEL_SEED)
@@ -215,7 +227,9 @@ class Rank:
             r["async_staging"] = bool(config and config.async_staging)
             # What asynchronous staging learnt from the optimizers' steps, and defers.
             r["safe_storages"] = len(nebulite._staging._safe_storages)
+            r["scanned"] = list(taken)
             out[f"z{stage}"] = r
+        nebulite._staging.scan = scan  # type: ignore[assignment]
         # A checkpoint written without Nebula, for enable_nebula_load: false.
         base = os.path.join(self.workdir, "plain")
         os.makedirs(os.path.join(base, "expected"), exist_ok=True)
