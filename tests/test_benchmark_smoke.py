@@ -227,6 +227,22 @@ def test_bench_async_staging_smoke(tmp_path: Path, new_agents: Callable[[], list
     _assert_agents_stopped(new_agents)
 
 
+def test_bench_deepspeed_staging_smoke(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    work.mkdir()
+    out = tmp_path / "deepspeed.json"
+    result = _run([str(BENCH / "bench_deepspeed_staging.py"), "--smoke", "--stages", "0,1",
+                   "--dir", str(work), "--json", str(out)])
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "async / torch.save" in result.stdout
+    data = json.loads(out.read_text())
+    assert set(data) == {"0", "1"}
+    for figures in data.values():
+        assert set(figures) == {"torch.save", "nebulite", "async, caller", "async"}
+        assert all(len(times) == 2 and all(t > 0 for t in times) for times in figures.values())
+    assert not any(work.iterdir())  # the benchmark cleans up after itself
+
+
 @pytest.mark.parametrize("program", ["bench_gpu.py", "profile_gpu_staging.py"])
 def test_gpu_programs_say_there_is_nothing_to_measure_without_cuda(program: str) -> None:
     # On a machine with CUDA they measure for minutes: benchmarks/gpu_check.sh runs them.
