@@ -346,6 +346,19 @@ def test_with_async_staging_checkpoints_hold_the_state_at_save_time(runs):
             assert got["explicit"] == [f"global_step4/{_model_file(stage, rank)}", "ok"], (rank, stage, got)
 
 
+def test_with_async_staging_a_tight_memory_tier_fails_no_checkpoint(tmp_path: Path) -> None:
+    """Two ranks, ZeRO-1, asynchronous staging, persistent_time_interval 100 and a memory
+    tier that holds one of rank 0's checkpoints but not two: no save_checkpoint() raises and
+    the last checkpoint is the latest on both ranks. (Before, the checkpoints that rank 0's
+    memory could not hold beside the newest failed there: its staging thread streamed them
+    to the store after the ranks had agreed to keep them in memory only.)"""
+    env = _child_env(NEBULITE_ASYNC_STAGING="1", NEBULA_MEMORY_BUFFER_SIZE=str(16 << 20))
+    (results,) = _run(("tight_memory", tmp_path, 2, env))
+    for r in results:
+        assert r["tight_memory"]["raised"] == [], r
+        assert r["tight_memory"]["latest"] == "global_step7", r
+
+
 def test_a_tag_retention_removed_loads_the_latest(runs):
     """DeepSpeed's engine asks nebulite for the tag, gets '' and falls back to the latest."""
     for world, r in _ranks(runs, "resumed"):

@@ -326,6 +326,35 @@ class Rank:
         r["then_nebulite"] = [os.path.relpath(path, ds), self.loaded_matches(fresh, client, want)]
         return r
 
+    def tight_memory(self) -> dict[str, Any]:
+        """ZeRO-1 with asynchronous staging, the persistent_time_interval of DeepSpeed's
+        documented nebula block (100 s), and a memory tier (set by the environment) that
+        holds one of rank 0's checkpoints but not two: every save_checkpoint() goes through
+        (a checkpoint that will not fit beside the newest is persisted by both ranks)."""
+        import deepspeed
+        import torch
+        import torch_nebula
+
+        base = os.path.join(self.workdir, "tight")
+        torch.manual_seed(MODEL_SEED)
+        model = torch.nn.Sequential(torch.nn.Linear(1024, 1024), torch.nn.ReLU(),
+                                    torch.nn.Linear(1024, 8))
+        config = self.config(1, self.nebula_block(base, persistent_time_interval=100))
+        eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                            config=config)
+        out: dict[str, Any] = {"raised": []}
+        for step in range(8):
+            g = torch.Generator().manual_seed(step * 100 + self.rank)
+            eng.backward(eng(torch.randn(4, 1024, generator=g)).square().mean())
+            eng.step()
+            try:
+                eng.save_checkpoint(os.path.join(base, "ds"), tag=f"global_step{step}")
+            except Exception as e:  # noqa: BLE001 - reported to the test
+                out["raised"].append(f"global_step{step}: {type(e).__name__}: {e}")
+        out["latest"] = torch_nebula.get_latest_checkpoint().tag  # a barrier too
+        torch_nebula.flush_persistence()
+        return out
+
     def agent(self) -> dict[str, Any]:
         import nebulite
 

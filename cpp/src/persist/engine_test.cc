@@ -114,6 +114,27 @@ TEST(EngineTest, ReclaimableMemoryIsAllButTheNewestVersionHeldInMemoryOnly) {
   EXPECT_GT(engine.memory_used(), v1);
 }
 
+TEST(EngineTest, AVersionHeldInMemoryOnlyMayGoOnceANewerOneInTheStoreLeftMemory) {
+  TempDir dir;
+  auto e = Engine::Open(Options(dir.path(), 8 << 20));
+  ASSERT_TRUE(e.ok());
+  Engine& engine = **e;
+  auto old = MakeObject({5 << 20}, 1);
+  ASSERT_TRUE(engine.Stage("t", "v1", "model", old.records).ok());
+  ASSERT_TRUE(engine.Commit("t", "v1", 1, false).ok());
+  auto newer = MakeObject({1 << 20}, 2);
+  ASSERT_TRUE(engine.Stage("t", "v2", "model", newer.records).ok());
+  ASSERT_TRUE(engine.Commit("t", "v2", 2, true).ok());
+  ASSERT_TRUE(engine.Flush(60).ok());  // committed in the store
+  // Room for v3 is made by evicting v2 (durable) and then v1: once v2 left, v1 is not the
+  // newest checkpoint, which stays in memory only while it is not durable.
+  auto next = MakeObject({6 << 20}, 3);
+  auto info = engine.Stage("t", "v3", "model", next.records);
+  ASSERT_TRUE(info.ok()) << info.status().ToString();
+  EXPECT_FALSE(info->streamed);
+  EXPECT_FALSE(engine.MustPersist("t", "v3"));
+}
+
 TEST(EngineTest, StateLargerThanTheBudgetStreamsThroughIt) {
   TempDir dir;
   auto e = Engine::Open(Options(dir.path(), 4 << 20));

@@ -1,5 +1,7 @@
 #include "persist/version_table.h"
 
+#include <algorithm>
+
 namespace nebulite {
 
 std::shared_ptr<VersionState> VersionTable::Find(const std::string& tag,
@@ -41,7 +43,7 @@ const VersionState* VersionTable::NewestCommitted() const {
   const VersionState* n = nullptr;
   for (auto& v : versions_)
     if (v->committed && (!n || v->seq > n->seq)) n = v.get();
-  return n;
+  return n && n->seq > forgotten_durable_seq_ ? n : nullptr;
 }
 
 bool VersionTable::EvictOldest(bool durable_only) {
@@ -71,8 +73,11 @@ uint64_t VersionTable::Reclaimable() const {
 }
 
 void VersionTable::Collect() {
-  versions_.remove_if([](const std::shared_ptr<VersionState>& v) {
-    return v->evicted && v->pins == 0 && !v->PendingInStore();
+  versions_.remove_if([this](const std::shared_ptr<VersionState>& v) {
+    const bool forget = v->evicted && v->pins == 0 && !v->PendingInStore();
+    if (forget && v->store_committed)
+      forgotten_durable_seq_ = std::max(forgotten_durable_seq_, v->seq);
+    return forget;
   });
 }
 

@@ -11,7 +11,8 @@
 //                persisted)
 //   forgotten    removed from the table once nothing more is expected of it
 // A version leaves memory only when nobody reads it (pins == 0) and it is durable or will
-// never be persisted; the newest committed version stays unless it is durable.
+// never be persisted; the newest committed version stays unless it is durable (or a newer
+// one, committed in the store, has left memory and been forgotten).
 //
 // Thread-safety: none. The engine calls every method with its mutex held.
 #pragma once
@@ -98,11 +99,14 @@ class VersionTable {
 
  private:
   bool Evictable(const VersionState& v, const VersionState* newest) const;
+  // The newest committed version held, the one that stays in memory unless it is durable;
+  // none once a newer one, committed in the store, was forgotten (it supersedes them all).
   const VersionState* NewestCommitted() const;
 
   Arena* arena_;
   const uint32_t retention_;
   std::list<std::shared_ptr<VersionState>> versions_;
+  uint64_t forgotten_durable_seq_ = 0;  // the newest commit order Collect() forgot, in the store
 };
 
 }  // namespace nebulite
