@@ -358,23 +358,6 @@ def test_checkpoints_that_will_not_fit_in_memory_are_persisted_by_every_rank(sto
     assert {"c0", "c2"} <= stored and "c1" not in stored, stored
 
 
-def test_with_the_agent_checkpoints_that_will_not_fit_are_persisted_by_every_rank(tmp_path):
-    """The same through one node agent that both ranks share: the agent foresees for the
-    ranks of the run it serves (they stage alike, into its memory), and none fails."""
-    store = str(tmp_path / "ckpt")
-    runtime = tempfile.mkdtemp(prefix="nbrt-")  # short: Unix socket paths are limited
-    env = _child_env(NEBULITE_AGENT="1", NEBULITE_RUNTIME_DIR=runtime,
-                     NEBULITE_AGENT_IDLE_EXIT="1")
-    try:
-        results = _run_ranks("streamed_async", store, 2, "yes", "agent", env=env)
-    finally:
-        remove_runtime_dir(runtime)
-    for r in results:
-        assert r["raised"] is None, r
-        assert r["latest"] == "c3" and r["latest_loads"], r
-    assert {"c0", "c1"} <= _stored_tags(store)  # c1 would not fit beside c0 for both ranks
-
-
 def _stored_tags(store: str) -> set[str]:
     """The tags with a version committed in `store`."""
     return {path.split(os.sep)[-3]
