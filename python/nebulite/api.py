@@ -565,12 +565,10 @@ class _Session:
         the staging thread still stages will not fit in memory (see nebulite._room; the
         node agent foresees it for every rank of the run it serves)."""
         unstaged = self.unstaged_bytes()
-        if not unstaged:
-            return self.engine.must_persist(tag, version)
-        if isinstance(self.engine, _core.Engine):
-            return (self.engine.must_persist(tag, version)
-                    or _room.will_not_fit(unstaged, [self.engine]))
-        return self.engine.must_persist(tag, version, unstaged)
+        if unstaged and not isinstance(self.engine, _core.Engine):
+            return self.engine.must_persist(tag, version, unstaged)  # the agent foresees
+        return (self.engine.must_persist(tag, version)
+                or _room.will_not_fit(unstaged, [self.engine]))
 
     def barrier_decides_persist(self, v: _OpenVersion) -> bool:
         """True if the barrier learns whether `v` must be persisted, so that its commit
